@@ -1,0 +1,67 @@
+-- One step of cleaning a dead server, on a single Redis node (see cleanup.rs).
+--
+-- Takes the next chunk of the server's reverse set with SSCAN from the cursor stored
+-- in the progress hash, deletes each forward entry that still points at the dead
+-- server, removes the chunk from the reverse set and stores the next cursor. The check
+-- and the delete run inside this one script, so they are atomic: a user who reconnected
+-- elsewhere (forward entry now names another server) is never deleted.
+--
+-- Progress is the reverse set itself (finished members are removed) plus the cursor, so
+-- a step may be repeated, run by two workers at once, or resumed after a crash, and the
+-- end state is the same. When a full pass finds the set empty, the step drops the
+-- progress hash and the server's `servers` entry: the server is clean.
+--
+-- KEYS[1] server:{S}:users   KEYS[2] server:{S}:cleanup   KEYS[3] servers
+-- KEYS[4] registry (layout hash; unused for layout keys)
+-- ARGV[1] server id   ARGV[2] SSCAN COUNT   ARGV[3] 'hash' or 'keys'
+-- ARGV[4] forward key prefix for layout keys (<key_prefix>user:)
+-- Returns {done (0/1), members scanned, entries deleted, entries kept (moved elsewhere)}
+
+local users_key, progress_key, servers_key, registry_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local server, count, layout, user_prefix = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local hash_layout = layout == 'hash'
+-- unpack() is bounded by Lua's C stack (8000 slots): lists go to Redis in batches.
+local BATCH = 1000
+
+local cursor = redis.call('HGET', progress_key, 'cursor') or '0'
+local scan = redis.call('SSCAN', users_key, cursor, 'COUNT', count)
+local next_cursor, members = scan[1], scan[2]
+
+local deleted, kept = 0, 0
+for first = 1, #members, BATCH do
+  local last = math.min(first + BATCH - 1, #members)
+  local owners
+  if hash_layout then
+    owners = redis.call('HMGET', registry_key, unpack(members, first, last))
+  else
+    local forward = {}
+    for i = first, last do forward[#forward + 1] = user_prefix .. members[i] end
+    owners = redis.call('MGET', unpack(forward))
+  end
+  local doomed = {}
+  for i = 1, #owners do
+    local owner = owners[i]
+    if owner == server then
+      local user = members[first + i - 1]
+      doomed[#doomed + 1] = hash_layout and user or (user_prefix .. user)
+    elseif owner then
+      kept = kept + 1
+    end
+  end
+  if #doomed > 0 then
+    if hash_layout then
+      deleted = deleted + redis.call('HDEL', registry_key, unpack(doomed))
+    else
+      deleted = deleted + redis.call('DEL', unpack(doomed))
+    end
+  end
+  redis.call('SREM', users_key, unpack(members, first, last))
+end
+
+if next_cursor == '0' and redis.call('EXISTS', users_key) == 0 then
+  redis.call('DEL', progress_key)
+  redis.call('ZREM', servers_key, server)
+  return {1, #members, deleted, kept}
+end
+redis.call('HSET', progress_key, 'cursor', next_cursor)
+return {0, #members, deleted, kept}

@@ -1,0 +1,274 @@
+//! Settings: defaults, then file, then `JANITOR_*` environment, then flags; then checks.
+//!
+//! The built-in defaults and their documentation are one file, `config.default.toml`,
+//! compiled in. [`Settings::load`] layers the rest over it with figment and
+//! [`Settings::validate`] names the first setting the program cannot run with.
+
+use std::{net::SocketAddr, path::Path};
+
+use figment::{
+    providers::{Env, Format, Serialized, Toml},
+    Figment,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// The documented defaults, compiled into the binary.
+pub const DEFAULT_TOML: &str = include_str!("config.default.toml");
+/// Prefix of the environment variables that set settings.
+pub const ENV_PREFIX: &str = "JANITOR_";
+
+/// How the forward registry is stored (see `keys`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Layout {
+    /// One Hash `registry`: field = user id, value = server id.
+    Hash,
+    /// One String `user:<user>` per user.
+    Keys,
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Every setting, after layering. Field docs are in `config.default.toml`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Settings {
+    /// Where the registry, the stream and the group live.
+    pub redis_url: String,
+    /// Prefix of every key, so deployments and tests can share one Redis.
+    pub key_prefix: String,
+    /// Forward registry layout.
+    pub layout: Layout,
+    /// Users per Lua step: bounds the time Redis spends in one call.
+    pub chunk_size: usize,
+    /// Events one process cleans at once.
+    pub concurrency: usize,
+    /// Idle time after which a pending entry is taken over.
+    pub claim_min_idle_ms: u64,
+    /// Deliveries before an entry is dead-lettered.
+    pub max_deliveries: u64,
+    /// Name in the consumer group; `None` means host name plus a random suffix.
+    pub consumer_name: Option<String>,
+    /// Listener for metrics and health, or `off`.
+    pub metrics_addr: String,
+    /// Age of the last heartbeat after which a server without liveness key is dead.
+    pub heartbeat_grace_ms: u64,
+    /// Time between reconciliation passes.
+    pub reconcile_interval_ms: u64,
+    /// XREADGROUP BLOCK time; also the longest a shutdown waits for a read.
+    pub block_ms: u64,
+    /// Chunks of one cleanup in flight at once.
+    pub chunks_in_flight: usize,
+    /// How long in-flight cleanups may continue after SIGTERM.
+    pub drain_timeout_ms: u64,
+    /// Largest payload accepted.
+    pub max_payload_bytes: usize,
+    /// Log format on stderr.
+    pub log_format: LogFormat,
+}
+
+/// Settings given on the command line; `None` leaves the lower layers in force.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Overrides {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub redis_url: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub key_prefix: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub layout: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub chunk_size: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub concurrency: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub consumer_name: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metrics_addr: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub log_format: Option<String>,
+}
+
+impl Settings {
+    /// Layers defaults, `file` (or `JANITOR_CONFIG`), the environment and `overrides`,
+    /// then validates.
+    pub fn load(file: Option<&Path>, overrides: &Overrides) -> Result<Self> {
+        let mut figment = Figment::from(Toml::string(DEFAULT_TOML));
+        let env_file = std::env::var_os(format!("{ENV_PREFIX}CONFIG"));
+        if let Some(path) = file.map(Path::to_path_buf).or(env_file.map(Into::into)) {
+            if !path.is_file() {
+                return Err(Error::Setting {
+                    name: "config",
+                    reason: format!("no such file: {}", path.display()),
+                });
+            }
+            figment = figment.merge(Toml::file(path));
+        }
+        let settings: Settings = figment
+            .merge(Env::prefixed(ENV_PREFIX).ignore(&["config"]))
+            .merge(Serialized::defaults(overrides))
+            .extract()
+            .map_err(|e| Error::Settings(Box::new(e)))?;
+        settings.validate()?;
+        Ok(settings)
+    }
+
+    /// The defaults alone, validated; handy for tests and the demo.
+    pub fn defaults() -> Self {
+        Figment::from(Toml::string(DEFAULT_TOML))
+            .extract()
+            .expect("the built-in defaults parse")
+    }
+
+    /// Refuses values the program cannot run with, naming the setting.
+    pub fn validate(&self) -> Result<()> {
+        fn bad(name: &'static str, reason: impl Into<String>) -> Result<()> {
+            Err(Error::Setting {
+                name,
+                reason: reason.into(),
+            })
+        }
+        match redis::parse_redis_url(&self.redis_url) {
+            Some(url) if matches!(url.scheme(), "redis" | "rediss" | "unix" | "redis+unix") => {}
+            _ => {
+                return bad(
+                    "redis_url",
+                    format!(
+                        "not a redis:// or rediss:// URL: {}",
+                        crate::conn::redact_url(&self.redis_url)
+                    ),
+                )
+            }
+        }
+        if redis::Client::open(self.redis_url.as_str()).is_err() {
+            return bad("redis_url", "the URL does not name a Redis server");
+        }
+        if !(1..=100_000).contains(&self.chunk_size) {
+            return bad(
+                "chunk_size",
+                format!("must be 1 to 100000, got {}", self.chunk_size),
+            );
+        }
+        if !(1..=1024).contains(&self.concurrency) {
+            return bad(
+                "concurrency",
+                format!("must be 1 to 1024, got {}", self.concurrency),
+            );
+        }
+        if !(1..=64).contains(&self.chunks_in_flight) {
+            return bad(
+                "chunks_in_flight",
+                format!("must be 1 to 64, got {}", self.chunks_in_flight),
+            );
+        }
+        if self.max_deliveries == 0 {
+            return bad("max_deliveries", "must be at least 1");
+        }
+        if self.claim_min_idle_ms < 1000 {
+            return bad("claim_min_idle_ms", "must be at least 1000");
+        }
+        if !(100..=60_000).contains(&self.block_ms) {
+            return bad(
+                "block_ms",
+                format!("must be 100 to 60000, got {}", self.block_ms),
+            );
+        }
+        if self.reconcile_interval_ms < 100 {
+            return bad("reconcile_interval_ms", "must be at least 100");
+        }
+        if self.max_payload_bytes < 64 {
+            return bad("max_payload_bytes", "must be at least 64");
+        }
+        if let Some(name) = &self.consumer_name {
+            if name.is_empty() || name.len() > 200 || name.bytes().any(|b| !b.is_ascii_graphic()) {
+                return bad("consumer_name", "must be 1 to 200 printable ASCII bytes");
+            }
+        }
+        if let Err(e) = self.metrics_listen_addr() {
+            return bad("metrics_addr", e);
+        }
+        Ok(())
+    }
+
+    /// `None` when the metrics listener is `off`.
+    pub fn metrics_listen_addr(&self) -> std::result::Result<Option<SocketAddr>, String> {
+        if self.metrics_addr.eq_ignore_ascii_case("off") {
+            return Ok(None);
+        }
+        self.metrics_addr
+            .parse()
+            .map(Some)
+            .map_err(|_| format!("expected host:port or `off`, got {:?}", self.metrics_addr))
+    }
+
+    /// The configured consumer name, or host name plus a random suffix.
+    pub fn consumer_name(&self) -> String {
+        self.consumer_name
+            .clone()
+            .unwrap_or_else(default_consumer_name)
+    }
+}
+
+fn default_consumer_name() -> String {
+    let host = gethostname::gethostname().to_string_lossy().into_owned();
+    let host: String = host
+        .chars()
+        .filter(|c| c.is_ascii_graphic())
+        .take(100)
+        .collect();
+    let suffix: u32 = rand::random();
+    format!(
+        "{}-{suffix:08x}",
+        if host.is_empty() { "janitor" } else { &host }
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_the_contract() {
+        let s = Settings::defaults();
+        s.validate().unwrap();
+        assert_eq!(s.redis_url, "redis://127.0.0.1:6379");
+        assert_eq!(s.key_prefix, "");
+        assert_eq!(s.layout, Layout::Hash);
+        assert_eq!(s.chunk_size, 1000);
+        assert_eq!(s.concurrency, 4);
+        assert_eq!(s.claim_min_idle_ms, 30000);
+        assert_eq!(s.max_deliveries, 5);
+        assert_eq!(s.metrics_addr, "0.0.0.0:9464");
+        assert_eq!(s.heartbeat_grace_ms, 30000);
+        assert_eq!(s.reconcile_interval_ms, 30000);
+        assert!(s.consumer_name.is_none());
+    }
+
+    #[test]
+    fn consumer_names_are_unique() {
+        let s = Settings::defaults();
+        assert_ne!(s.consumer_name(), s.consumer_name());
+    }
+
+    #[test]
+    fn validate_names_the_setting() {
+        let check = |f: fn(&mut Settings), name: &str| {
+            let mut s = Settings::defaults();
+            f(&mut s);
+            let err = s.validate().unwrap_err().to_string();
+            assert!(err.contains(&format!("`{name}`")), "{err}");
+        };
+        check(|s| s.chunk_size = 0, "chunk_size");
+        check(|s| s.concurrency = 0, "concurrency");
+        check(|s| s.redis_url = "http://x".into(), "redis_url");
+        check(|s| s.redis_url = "not a url".into(), "redis_url");
+        check(|s| s.metrics_addr = "nowhere".into(), "metrics_addr");
+        check(|s| s.max_deliveries = 0, "max_deliveries");
+    }
+}

@@ -1,0 +1,407 @@
+//! `registry-janitor demo`: the whole story on one machine, verified.
+//!
+//! 1. Finds a Redis: the one at `redis_url`, or a private `redis-server` it starts.
+//! 2. Seeds a registry under a key prefix of its own (it never touches other keys):
+//!    `servers` x `users` entries, every server heartbeating.
+//! 3. Declares `dead` servers dead with real `server.dead` events; before that, a few of
+//!    their users reconnect elsewhere, and more keep reconnecting while the workers run,
+//!    racing the cleanup.
+//! 4. Runs `workers` workers in this process (each its own consumer) with a progress bar.
+//! 5. Verifies every seeded user: entries of users still on a dead server are gone,
+//!    users who moved kept their new entry, users of live servers kept theirs.
+//! 6. Deletes every key it created.
+
+use std::{
+    collections::HashMap,
+    fmt,
+    time::{Duration, Instant},
+};
+
+use indicatif::{ProgressBar, ProgressStyle};
+use rand::{seq::SliceRandom, Rng};
+use redis::aio::ConnectionManager;
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    config::Settings,
+    conn,
+    error::{Error, Result},
+    event::{ServerDead, ServerId},
+    keys::Keys,
+    metrics::Metrics,
+    redis_server::RedisServer,
+    registry::Registry,
+    status, stream,
+    worker::Worker,
+};
+
+/// Demo size and shape.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Options {
+    /// Connection servers to seed.
+    #[arg(long, default_value_t = 10)]
+    pub servers: usize,
+    /// Users per server.
+    #[arg(long, default_value_t = 100_000)]
+    pub users: usize,
+    /// Servers that die.
+    #[arg(long, default_value_t = 3)]
+    pub dead: usize,
+    /// Workers run in this process, each its own consumer in the group.
+    #[arg(long, default_value_t = 2)]
+    pub workers: usize,
+    /// Percent of a dead server's users that reconnect elsewhere: half before the event,
+    /// half while the cleanup runs.
+    #[arg(long, default_value_t = 1.0)]
+    pub moved_percent: f64,
+}
+
+/// What the demo found when it verified the registry.
+#[derive(Debug, Clone, Default)]
+pub struct Summary {
+    pub servers: usize,
+    pub users_per_server: usize,
+    pub dead: usize,
+    /// Entries of dead servers that are gone, as they should be.
+    pub deleted: u64,
+    /// Users who moved to a live server and kept that entry.
+    pub kept: u64,
+    /// Of those, how many moved while the cleanup was running.
+    pub moved_during: u64,
+    /// Entries still pointing at a dead server (must be 0).
+    pub stale: u64,
+    /// Entries of live users that are missing or wrong (must be 0).
+    pub lost: u64,
+    /// Forward entries the workers say they deleted.
+    pub reported_deleted: u64,
+    /// From the first event published to the last one acknowledged.
+    pub elapsed: Duration,
+}
+
+impl Summary {
+    pub fn verified(&self) -> bool {
+        self.stale == 0 && self.lost == 0
+    }
+}
+
+impl fmt::Display for Summary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let total = self.deleted + self.kept;
+        let secs = self.elapsed.as_secs_f64();
+        writeln!(
+            f,
+            "registry-janitor demo: {}",
+            if self.verified() {
+                "verified"
+            } else {
+                "VERIFICATION FAILED"
+            }
+        )?;
+        writeln!(
+            f,
+            "  registry       {} servers x {} users, {} dead ({} entries to resolve)",
+            self.servers, self.users_per_server, self.dead, total
+        )?;
+        writeln!(
+            f,
+            "  deleted        {:>10}  entries that pointed at a dead server",
+            self.deleted
+        )?;
+        writeln!(
+            f,
+            "  kept           {:>10}  users who had reconnected elsewhere ({} during the cleanup)",
+            self.kept, self.moved_during
+        )?;
+        writeln!(f, "  stale left     {:>10}  (must be 0)", self.stale)?;
+        writeln!(f, "  live lost      {:>10}  (must be 0)", self.lost)?;
+        writeln!(
+            f,
+            "  time           {:>10.2} s  ({:.0} entries/s, events in to acks out)",
+            secs,
+            total as f64 / secs.max(1e-9)
+        )
+    }
+}
+
+/// Runs the demo and prints its progress and summary.
+pub async fn run(settings: &Settings, options: &Options) -> Result<Summary> {
+    if options.dead > options.servers || options.servers < 2 || options.dead == 0 {
+        return Err(Error::Setting {
+            name: "demo",
+            reason: "needs at least 2 servers and 1 to servers-1 dead ones".into(),
+        });
+    }
+    let (url, _private) = find_redis(&settings.redis_url).await?;
+    let mut settings = settings.clone();
+    settings.redis_url = url;
+    settings.key_prefix = format!("{}janitor-demo:{}:", settings.key_prefix, ulid::Ulid::new());
+    let conn = conn::shared(&conn::client(&settings.redis_url)?)?;
+    let keys = Keys::new(settings.key_prefix.clone());
+    eprintln!(
+        "demo keys live under `{}` and are deleted at the end",
+        keys.prefix()
+    );
+
+    let result = run_in(&settings, options, &conn, &keys).await;
+    let removed = delete_prefixed(&conn, keys.prefix()).await;
+    let summary = result?;
+    removed?;
+    println!("{summary}");
+    Ok(summary)
+}
+
+async fn run_in(
+    settings: &Settings,
+    options: &Options,
+    conn: &ConnectionManager,
+    keys: &Keys,
+) -> Result<Summary> {
+    let registry = Registry::new(keys.clone(), settings.layout);
+    let epoch = crate::now_ms();
+    let servers: Vec<ServerId> = (0..options.servers)
+        .map(|i| ServerId::parse(&format!("demo-gw-{i}#{epoch}")).expect("valid id"))
+        .collect();
+    let (dead, live) = servers.split_at(options.dead);
+    seed(&registry, conn, &servers, options.users).await?;
+
+    // Users of dead servers who reconnect elsewhere: half before the events, half racing.
+    let mut rng = rand::rng();
+    let share = ((options.users as f64 * options.moved_percent / 100.0).round() as usize)
+        .min(options.users);
+    let mut movers: Vec<(Vec<u8>, ServerId)> = Vec::new();
+    for server in dead {
+        for n in rand::seq::index::sample(&mut rng, options.users, share) {
+            let to = live[rng.random_range(0..live.len())].clone();
+            movers.push((user_id(server, n), to));
+        }
+    }
+    movers.shuffle(&mut rng);
+    let racing = movers.split_off(movers.len() / 2);
+    for (user, to) in &movers {
+        registry.register(conn, user, to).await?;
+    }
+
+    let stop = CancellationToken::new();
+    let mut workers = Vec::new();
+    let mut metrics = Vec::new();
+    for _ in 0..options.workers {
+        let m = Metrics::new();
+        metrics.push(m.clone());
+        let w = Worker::new(settings, m)?;
+        workers.push(tokio::spawn(w.run(stop.child_token())));
+    }
+    let started = Instant::now();
+    for server in dead {
+        let event = ServerDead::new(
+            server,
+            Some("demo: server killed".into()),
+            Some("demo".into()),
+        );
+        stream::publish_event(conn, keys, &event.encode()).await?;
+    }
+    let mover = {
+        let (registry, conn) = (registry.clone(), conn.clone());
+        tokio::spawn(async move {
+            for (user, to) in &racing {
+                registry.register(&conn, user, to).await?;
+                tokio::task::yield_now().await;
+            }
+            Ok::<_, Error>(racing)
+        })
+    };
+    wait_with_progress(conn, keys, dead, options.users as u64).await?;
+    let elapsed = started.elapsed();
+    let racing = mover.await.map_err(|e| Error::Protocol(e.to_string()))??;
+    stop.cancel();
+    for w in workers {
+        w.await.map_err(|e| Error::Protocol(e.to_string()))??;
+    }
+
+    let moved: HashMap<Vec<u8>, ServerId> = movers.iter().chain(racing.iter()).cloned().collect();
+    let mut summary = verify(&registry, conn, dead, live, options.users, &moved).await?;
+    summary.moved_during = racing.len() as u64;
+    summary.servers = options.servers;
+    summary.users_per_server = options.users;
+    summary.dead = options.dead;
+    summary.elapsed = elapsed;
+    summary.reported_deleted = metrics.iter().map(|m| m.entries_deleted.get()).sum();
+    Ok(summary)
+}
+
+fn user_id(server: &ServerId, n: usize) -> Vec<u8> {
+    format!(
+        "user-{}-{n}",
+        server.as_str().split('#').next().unwrap_or("")
+    )
+    .into_bytes()
+}
+
+/// Uses the Redis at `url` if it answers; otherwise starts a private one.
+async fn find_redis(url: &str) -> Result<(String, Option<RedisServer>)> {
+    let client = conn::client(url)?;
+    let ping = tokio::time::timeout(Duration::from_secs(2), async {
+        let mut c = client.get_multiplexed_async_connection().await?;
+        redis::cmd("PING").query_async::<String>(&mut c).await
+    })
+    .await;
+    if matches!(ping, Ok(Ok(_))) {
+        eprintln!("using the Redis at {}", conn::redact_url(url));
+        return Ok((url.to_owned(), None));
+    }
+    if !RedisServer::available() {
+        return Err(Error::Protocol(format!(
+            "no Redis answers at {} and redis-server is not on PATH",
+            conn::redact_url(url)
+        )));
+    }
+    let server = tokio::task::spawn_blocking(RedisServer::start)
+        .await
+        .map_err(|e| Error::Protocol(e.to_string()))??;
+    eprintln!(
+        "no Redis answers at {}; started a private redis-server on 127.0.0.1:{} (stopped at the end)",
+        conn::redact_url(url),
+        server.port()
+    );
+    Ok((server.url(), Some(server)))
+}
+
+async fn seed(
+    registry: &Registry,
+    conn: &ConnectionManager,
+    servers: &[ServerId],
+    users: usize,
+) -> Result<()> {
+    let bar = bar((servers.len() * users) as u64, "seeding");
+    for server in servers {
+        registry.heartbeat(conn, server, 60_000).await?;
+        for start in (0..users).step_by(10_000) {
+            let ids: Vec<Vec<u8>> = (start..users.min(start + 10_000))
+                .map(|n| user_id(server, n))
+                .collect();
+            registry
+                .register_many(conn, ids.iter().map(Vec::as_slice), server, 1000)
+                .await?;
+            bar.inc(ids.len() as u64);
+        }
+    }
+    bar.finish();
+    Ok(())
+}
+
+/// Shows cleanup progress until every event is acknowledged.
+async fn wait_with_progress(
+    conn: &ConnectionManager,
+    keys: &Keys,
+    dead: &[ServerId],
+    users: u64,
+) -> Result<()> {
+    let total = users * dead.len() as u64;
+    let bar = bar(total, "cleaning");
+    loop {
+        let mut pipe = redis::pipe();
+        for server in dead {
+            pipe.scard(keys.server_users(server));
+        }
+        let left: Vec<u64> = pipe.query_async(&mut conn.clone()).await?;
+        bar.set_position(total.saturating_sub(left.iter().sum()));
+        if left.iter().all(|&n| n == 0) && status::collect_from(conn, keys).await?.is_idle() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    bar.finish();
+    Ok(())
+}
+
+async fn verify(
+    registry: &Registry,
+    conn: &ConnectionManager,
+    dead: &[ServerId],
+    live: &[ServerId],
+    users: usize,
+    moved: &HashMap<Vec<u8>, ServerId>,
+) -> Result<Summary> {
+    let mut summary = Summary::default();
+    let dead_names: Vec<&str> = dead.iter().map(ServerId::as_str).collect();
+    for server in dead.iter().chain(live) {
+        let is_dead = dead_names.contains(&server.as_str());
+        for start in (0..users).step_by(1000) {
+            let ids: Vec<Vec<u8>> = (start..users.min(start + 1000))
+                .map(|n| user_id(server, n))
+                .collect();
+            let owners = registry.owners(conn, &ids).await?;
+            for (user, owner) in ids.iter().zip(owners) {
+                let expected = match moved.get(user) {
+                    Some(to) => Some(to.as_str()),
+                    None if is_dead => None,
+                    None => Some(server.as_str()),
+                };
+                match (owner.as_deref(), expected) {
+                    (Some(o), _) if dead_names.contains(&o) => summary.stale += 1,
+                    (o, e) if o != e => summary.lost += 1,
+                    (Some(_), _) if is_dead => summary.kept += 1,
+                    (None, _) => summary.deleted += 1,
+                    _ => {}
+                }
+            }
+        }
+    }
+    // A clean server has no reverse set and no `servers` entry left either.
+    let (mut sets, mut scores) = (redis::pipe(), redis::pipe());
+    for server in dead {
+        sets.exists(registry.keys().server_users(server));
+        scores.zscore(registry.keys().servers(), server.as_str());
+    }
+    let sets: Vec<u64> = sets.query_async(&mut conn.clone()).await?;
+    let scores: Vec<Option<f64>> = scores.query_async(&mut conn.clone()).await?;
+    summary.stale += sets.iter().sum::<u64>() + scores.iter().flatten().count() as u64;
+    Ok(summary)
+}
+
+/// Deletes every key under `prefix` (SCAN + UNLINK, in batches).
+pub async fn delete_prefixed(conn: &ConnectionManager, prefix: &str) -> Result<()> {
+    let mut c = conn.clone();
+    let pattern = format!("{}*", glob_escape(prefix));
+    let mut cursor: u64 = 0;
+    loop {
+        let (next, found): (u64, Vec<Vec<u8>>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(&pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(&mut c)
+            .await?;
+        if !found.is_empty() {
+            let _: i64 = redis::cmd("UNLINK").arg(found).query_async(&mut c).await?;
+        }
+        if next == 0 {
+            return Ok(());
+        }
+        cursor = next;
+    }
+}
+
+fn glob_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+fn bar(len: u64, what: &'static str) -> ProgressBar {
+    let bar = ProgressBar::new(len);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{prefix:>9} [{bar:40}] {pos}/{len} entries {per_sec} {elapsed}",
+        )
+        .expect("valid template")
+        .progress_chars("=> "),
+    );
+    bar.set_prefix(what);
+    bar
+}

@@ -1,0 +1,94 @@
+//! The library's error type.
+//!
+//! Every error knows whether it is worth retrying ([`Error::is_retryable`]): a Redis
+//! outage must be waited out and retried, never mistaken for a poison message that is
+//! dead-lettered, and never turned into an acknowledgement of work that was not done.
+
+use crate::event::EventError;
+
+/// `Result` with the library's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A setting has a value the program cannot run with.
+    #[error("invalid setting `{name}`: {reason}")]
+    Setting { name: &'static str, reason: String },
+
+    /// The settings could not be read (a bad TOML file, a value of the wrong type).
+    #[error("invalid settings: {0}")]
+    Settings(#[from] Box<figment::Error>),
+
+    /// A command to Redis failed.
+    #[error("redis: {0}")]
+    Redis(#[from] redis::RedisError),
+
+    /// A `server.dead` payload that cannot be decoded or validated.
+    #[error("invalid event: {0}")]
+    Event(#[from] EventError),
+
+    /// Redis answered with something this program does not expect (a script returned
+    /// the wrong shape, a stream reply of an unknown form).
+    #[error("unexpected reply from redis: {0}")]
+    Protocol(String),
+
+    /// Work was stopped by a shutdown before it finished; the stream entry stays pending
+    /// so another worker takes it over.
+    #[error("stopped by shutdown before the work was finished")]
+    Cancelled,
+
+    /// Local I/O (starting a private redis-server, reading a file).
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    /// True when the same operation may succeed if tried again later: the connection
+    /// dropped or timed out, Redis is loading, failing over or read-only, a script cache
+    /// was flushed. False for bad data, bad settings and shutdown.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Error::Redis(e) => redis_error_is_retryable(e),
+            _ => false,
+        }
+    }
+
+    pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Io {
+            context: context.into(),
+            source,
+        }
+    }
+}
+
+/// Classifies a Redis error: transport failures and transient server states are
+/// retryable; command errors (WRONGTYPE, a script error, no permission) are not.
+pub fn redis_error_is_retryable(e: &redis::RedisError) -> bool {
+    use redis::{ErrorKind, ServerErrorKind as S};
+    if e.is_io_error()
+        || e.is_timeout()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_cluster_error()
+        || e.is_unrecoverable_error()
+    {
+        return true;
+    }
+    match e.kind() {
+        ErrorKind::Server(kind) => matches!(
+            kind,
+            S::BusyLoading
+                | S::TryAgain
+                | S::ClusterDown
+                | S::MasterDown
+                | S::ReadOnly
+                | S::NoScript
+        ),
+        ErrorKind::ClusterConnectionNotFound => true,
+        _ => false,
+    }
+}

@@ -1,0 +1,113 @@
+//! Every Redis key, stream and group name the janitor touches, built in one place.
+//!
+//! The layout follows `shared/CONTRACT.md`. Every key carries the `key_prefix` setting so
+//! that several deployments or test runs can share one Redis:
+//!
+//! | key                        | type   | owner                                   |
+//! |----------------------------|--------|-----------------------------------------|
+//! | `registry`                 | Hash   | connection servers (layout `hash`)      |
+//! | `user:<user>`              | String | connection servers (layout `keys`)      |
+//! | `server:{<server>}:users`  | Set    | connection servers (reverse index)      |
+//! | `server:{<server>}:alive`  | String | connection servers (liveness, with TTL) |
+//! | `servers`                  | ZSet   | connection servers (last heartbeat)     |
+//! | `registry:events`          | Stream | monitoring, the reconciler              |
+//! | `registry:events:dead`     | Stream | the workers (dead letters)              |
+//! | `server:{<server>}:cleanup`| Hash   | the workers: the cleanup's scan cursor  |
+//!
+//! The last key is the janitor's own: it records how far the walk of a dead server's
+//! reverse set has gone, so that a cleanup taken over after a crash resumes there. It
+//! shares the server's hash tag, so it lives in the same cluster slot as the reverse set.
+
+use crate::event::ServerId;
+
+/// The consumer group of the workers on the events stream (not prefixed: it is not a key).
+pub const GROUP: &str = "registry-janitor";
+
+/// Key names under one `key_prefix`.
+#[derive(Debug, Clone)]
+pub struct Keys {
+    /// Prepended verbatim to every key; empty by default.
+    prefix: String,
+}
+
+impl Keys {
+    pub fn new(prefix: impl Into<String>) -> Self {
+        Keys {
+            prefix: prefix.into(),
+        }
+    }
+
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The forward registry Hash (layout `hash`): field = user id, value = server id.
+    pub fn registry(&self) -> String {
+        format!("{}registry", self.prefix)
+    }
+
+    /// What comes before the user id in a forward key of layout `keys`.
+    pub fn user_key_prefix(&self) -> String {
+        format!("{}user:", self.prefix)
+    }
+
+    /// The forward key of one user (layout `keys`). User ids may hold any bytes.
+    pub fn user(&self, user: &[u8]) -> Vec<u8> {
+        let mut key = self.user_key_prefix().into_bytes();
+        key.extend_from_slice(user);
+        key
+    }
+
+    /// The reverse index of a server: the Set of its users.
+    pub fn server_users(&self, server: &ServerId) -> String {
+        self.server_key(server, "users")
+    }
+
+    /// The liveness key of a server, refreshed with a TTL on every heartbeat.
+    pub fn server_alive(&self, server: &ServerId) -> String {
+        self.server_key(server, "alive")
+    }
+
+    /// The janitor's progress record for cleaning a server (see the module docs).
+    pub fn server_cleanup(&self, server: &ServerId) -> String {
+        self.server_key(server, "cleanup")
+    }
+
+    /// The Sorted Set of known servers, scored by last heartbeat (unix ms).
+    pub fn servers(&self) -> String {
+        format!("{}servers", self.prefix)
+    }
+
+    /// The stream that carries `server.dead` events.
+    pub fn events(&self) -> String {
+        format!("{}registry:events", self.prefix)
+    }
+
+    /// The dead-letter stream.
+    pub fn dead_letters(&self) -> String {
+        format!("{}registry:events:dead", self.prefix)
+    }
+
+    fn server_key(&self, server: &ServerId, what: &str) -> String {
+        format!("{}server:{{{}}}:{what}", self.prefix, server.as_str())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_contract() {
+        let k = Keys::new("t:");
+        let s = ServerId::parse("gw-7#1732181000123").unwrap();
+        assert_eq!(k.registry(), "t:registry");
+        assert_eq!(k.user(b"u\xff1"), b"t:user:u\xff1".to_vec());
+        assert_eq!(k.server_users(&s), "t:server:{gw-7#1732181000123}:users");
+        assert_eq!(k.server_alive(&s), "t:server:{gw-7#1732181000123}:alive");
+        assert_eq!(k.servers(), "t:servers");
+        assert_eq!(k.events(), "t:registry:events");
+        assert_eq!(k.dead_letters(), "t:registry:events:dead");
+        assert_eq!(Keys::new("").registry(), "registry");
+    }
+}

@@ -1,0 +1,223 @@
+//! The `registry-janitor` binary: parses the command line, loads the settings, sets up
+//! logging and signals, and calls into the library.
+
+use std::{path::PathBuf, process::ExitCode};
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use registry_janitor::{
+    config::{LogFormat, Overrides, Settings},
+    conn, demo,
+    event::{ServerDead, ServerId},
+    keys::Keys,
+    metrics::Metrics,
+    status, stream,
+    worker::Worker,
+};
+use tokio_util::sync::CancellationToken;
+
+#[derive(Parser)]
+#[command(
+    name = "registry-janitor",
+    version,
+    about = "Cleans a Redis connection registry after connection servers die"
+)]
+struct Cli {
+    /// TOML settings file (also JANITOR_CONFIG).
+    #[arg(long, global = true, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Setting `redis_url`.
+    #[arg(long, global = true)]
+    redis_url: Option<String>,
+    /// Setting `key_prefix`.
+    #[arg(long, global = true)]
+    key_prefix: Option<String>,
+    /// Setting `layout`: hash or keys.
+    #[arg(long, global = true)]
+    layout: Option<String>,
+    /// Setting `chunk_size`.
+    #[arg(long, global = true)]
+    chunk_size: Option<usize>,
+    /// Setting `concurrency`.
+    #[arg(long, global = true)]
+    concurrency: Option<usize>,
+    /// Setting `consumer_name`.
+    #[arg(long, global = true)]
+    consumer_name: Option<String>,
+    /// Setting `metrics_addr` (host:port or off).
+    #[arg(long, global = true)]
+    metrics_addr: Option<String>,
+    /// Setting `log_format`: text or json.
+    #[arg(long, global = true)]
+    log_format: Option<String>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Join the consumer group and clean dead servers until SIGTERM or SIGINT.
+    Worker,
+    /// The reconciliation worker (not built yet).
+    Reconcile {
+        /// Run one pass and exit.
+        #[arg(long)]
+        once: bool,
+    },
+    /// Publish one event, as monitoring does; prints the entry id.
+    Emit {
+        #[command(subcommand)]
+        event: EmitEvent,
+    },
+    /// Stream length, group lag, pending entries, consumers, dead letters.
+    Status {
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Inspect and replay the dead-letter stream (not built yet).
+    DeadLetters {
+        #[arg(value_parser = ["list", "replay", "purge"])]
+        action: String,
+    },
+    /// The whole story on one machine: seed, kill servers, clean, verify.
+    Demo(demo::Options),
+    /// The throughput and latency benchmark (not built yet).
+    Bench,
+}
+
+#[derive(Subcommand)]
+enum EmitEvent {
+    /// Publish `server.dead` for SERVER_ID.
+    ServerDead {
+        server_id: String,
+        /// Free text, e.g. "heartbeat timeout".
+        #[arg(long)]
+        reason: Option<String>,
+        /// Who emits it (default: cli).
+        #[arg(long, default_value = "cli")]
+        source: String,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let overrides = Overrides {
+        redis_url: cli.redis_url.clone(),
+        key_prefix: cli.key_prefix.clone(),
+        layout: cli.layout.clone(),
+        chunk_size: cli.chunk_size,
+        concurrency: cli.concurrency,
+        consumer_name: cli.consumer_name.clone(),
+        metrics_addr: cli.metrics_addr.clone(),
+        log_format: cli.log_format.clone(),
+    };
+    let settings = match Settings::load(cli.config.as_deref(), &overrides) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("registry-janitor: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    // The demo draws progress bars: its workers log warnings only, unless RUST_LOG says.
+    let default_level = if matches!(cli.command, Command::Demo(_)) {
+        "warn"
+    } else {
+        "info"
+    };
+    init_logging(&settings, default_level);
+    let runtime = tokio::runtime::Runtime::new().expect("a tokio runtime");
+    match runtime.block_on(run(cli.command, settings)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("registry-janitor: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging(settings: &Settings, default_level: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match settings.log_format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.init(),
+    }
+}
+
+async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
+    match command {
+        Command::Worker => {
+            let shutdown = shutdown_on_signals();
+            let worker = Worker::new(&settings, Metrics::new())?;
+            worker.run(shutdown).await?;
+        }
+        Command::Emit {
+            event:
+                EmitEvent::ServerDead {
+                    server_id,
+                    reason,
+                    source,
+                },
+        } => {
+            let server = ServerId::parse(&server_id).context("SERVER_ID")?;
+            let event = ServerDead::new(&server, reason, Some(source));
+            event.validate().context("the event")?;
+            let conn = conn::shared(&conn::client(&settings.redis_url)?)?;
+            let keys = Keys::new(settings.key_prefix.clone());
+            let id = stream::publish_event(&conn, &keys, &event.encode())
+                .await
+                .with_context(|| {
+                    format!("publishing to {}", conn::redact_url(&settings.redis_url))
+                })?;
+            println!("{id}");
+        }
+        Command::Status { json } => {
+            let report = status::collect(&settings).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{report}");
+            }
+        }
+        Command::Demo(options) => {
+            let summary = demo::run(&settings, &options).await?;
+            if !summary.verified() {
+                anyhow::bail!(
+                    "verification failed: {} stale entries left, {} live entries lost",
+                    summary.stale,
+                    summary.lost
+                );
+            }
+        }
+        Command::Reconcile { .. } => {
+            anyhow::bail!("`reconcile` is not built yet (see README, Status)")
+        }
+        Command::DeadLetters { .. } => {
+            anyhow::bail!("`dead-letters` is not built yet (see README, Status)")
+        }
+        Command::Bench => anyhow::bail!("`bench` is not built yet (see README, Status)"),
+    }
+    Ok(())
+}
+
+/// A token cancelled on the first SIGTERM (Kubernetes) or SIGINT (Ctrl-C).
+fn shutdown_on_signals() -> CancellationToken {
+    let token = CancellationToken::new();
+    let cancel = token.clone();
+    tokio::spawn(async move {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+        let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
+        let which = tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+        };
+        tracing::info!("{which} received; stopping");
+        cancel.cancel();
+    });
+    token
+}

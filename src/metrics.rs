@@ -1,0 +1,135 @@
+//! Prometheus metrics of one process, in a registry of its own (no global state, so tests
+//! can run several workers in one process and read each one's numbers).
+
+use prometheus::{
+    Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts, Registry, TextEncoder,
+};
+
+/// Outcome label values of `registry_janitor_events_total`.
+pub mod outcome {
+    pub const CLEANED: &str = "cleaned";
+    pub const IGNORED: &str = "ignored";
+    pub const DEAD_LETTERED: &str = "dead_lettered";
+    pub const FAILED: &str = "failed";
+    pub const ABANDONED: &str = "abandoned";
+}
+
+#[derive(Clone)]
+pub struct Metrics {
+    pub registry: Registry,
+    /// Stream entries handled, by outcome.
+    pub events: IntCounterVec,
+    /// Forward entries deleted because they still pointed at a dead server.
+    pub entries_deleted: IntCounter,
+    /// Forward entries left alone because their user had moved to another server.
+    pub entries_kept: IntCounter,
+    /// Pending entries taken over from other consumers (XAUTOCLAIM).
+    pub entries_claimed: IntCounter,
+    /// Time one cleanup took, from start to acknowledgement.
+    pub cleanup_seconds: Histogram,
+    /// Time from `detected_at_ms` to acknowledgement: the stale window users feel.
+    pub stale_window_seconds: Histogram,
+    /// Redis commands that failed (each attempt).
+    pub redis_errors: IntCounter,
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let events = IntCounterVec::new(
+            Opts::new(
+                "registry_janitor_events_total",
+                "Stream entries handled, by outcome",
+            ),
+            &["outcome"],
+        )
+        .expect("valid metric");
+        let entries_deleted = IntCounter::new(
+            "registry_janitor_entries_deleted_total",
+            "Forward registry entries deleted because they pointed at a dead server",
+        )
+        .expect("valid metric");
+        let entries_kept = IntCounter::new(
+            "registry_janitor_entries_kept_total",
+            "Forward registry entries kept because their user had moved to another server",
+        )
+        .expect("valid metric");
+        let entries_claimed = IntCounter::new(
+            "registry_janitor_entries_claimed_total",
+            "Pending stream entries taken over from other consumers",
+        )
+        .expect("valid metric");
+        let buckets = vec![
+            0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+        ];
+        let cleanup_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "registry_janitor_cleanup_duration_seconds",
+                "Time to clean one dead server, start to acknowledgement",
+            )
+            .buckets(buckets.clone()),
+        )
+        .expect("valid metric");
+        let stale_window_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "registry_janitor_stale_window_seconds",
+                "Time from detected_at_ms of a server.dead event to its cleanup being acknowledged",
+            )
+            .buckets(buckets),
+        )
+        .expect("valid metric");
+        let redis_errors = IntCounter::new(
+            "registry_janitor_redis_errors_total",
+            "Redis commands that failed, each attempt counted",
+        )
+        .expect("valid metric");
+        for c in [
+            Box::new(events.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(entries_deleted.clone()),
+            Box::new(entries_kept.clone()),
+            Box::new(entries_claimed.clone()),
+            Box::new(cleanup_seconds.clone()),
+            Box::new(stale_window_seconds.clone()),
+            Box::new(redis_errors.clone()),
+        ] {
+            registry.register(c).expect("unique metric names");
+        }
+        for o in [
+            outcome::CLEANED,
+            outcome::IGNORED,
+            outcome::DEAD_LETTERED,
+            outcome::FAILED,
+            outcome::ABANDONED,
+        ] {
+            events.with_label_values(&[o]);
+        }
+        Metrics {
+            registry,
+            events,
+            entries_deleted,
+            entries_kept,
+            entries_claimed,
+            cleanup_seconds,
+            stale_window_seconds,
+            redis_errors,
+        }
+    }
+
+    /// Count of events with `outcome`.
+    pub fn events_with(&self, outcome: &str) -> u64 {
+        self.events.with_label_values(&[outcome]).get()
+    }
+
+    /// The text exposition format, as served on /metrics.
+    pub fn render(&self) -> String {
+        TextEncoder::new()
+            .encode_to_string(&self.registry.gather())
+            .unwrap_or_default()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

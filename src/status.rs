@@ -1,0 +1,154 @@
+//! `registry-janitor status`: what an on-call engineer asks first. Is the group keeping
+//! up (lag, pending), who holds what (consumers), and did anything fail (dead letters)?
+
+use std::{collections::HashMap, fmt};
+
+use redis::{aio::ConnectionManager, Value};
+use serde::Serialize;
+
+use crate::{
+    config::Settings,
+    conn,
+    error::Result,
+    keys::{Keys, GROUP},
+};
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Status {
+    pub stream: String,
+    /// Entries in the events stream (acknowledged ones included, until trimmed).
+    pub stream_length: u64,
+    /// False until a worker has created the consumer group.
+    pub group_exists: bool,
+    /// Entries not yet delivered to any consumer of the group (Redis 7 `lag`).
+    pub lag: Option<u64>,
+    /// Entries delivered but not acknowledged.
+    pub pending: u64,
+    pub consumers: Vec<Consumer>,
+    /// Entries in the dead-letter stream.
+    pub dead_letters: u64,
+    /// Servers in `servers` (live, or dead but not yet cleaned).
+    pub servers_known: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Consumer {
+    pub name: String,
+    pub pending: u64,
+    pub idle_ms: u64,
+}
+
+impl Status {
+    /// Nothing waits: every event was delivered and acknowledged.
+    pub fn is_idle(&self) -> bool {
+        self.group_exists && self.pending == 0 && self.lag == Some(0)
+    }
+}
+
+/// Collects the status from the Redis of `settings`.
+pub async fn collect(settings: &Settings) -> Result<Status> {
+    let conn = conn::shared(&conn::client(&settings.redis_url)?)?;
+    collect_from(&conn, &Keys::new(settings.key_prefix.clone())).await
+}
+
+pub async fn collect_from(conn: &ConnectionManager, keys: &Keys) -> Result<Status> {
+    let mut c = conn.clone();
+    let (stream_length, dead_letters, servers_known): (u64, u64, u64) = redis::pipe()
+        .xlen(keys.events())
+        .xlen(keys.dead_letters())
+        .zcard(keys.servers())
+        .query_async(&mut c)
+        .await?;
+    let mut status = Status {
+        stream: keys.events(),
+        stream_length,
+        group_exists: false,
+        lag: None,
+        pending: 0,
+        consumers: Vec::new(),
+        dead_letters,
+        servers_known,
+    };
+    if stream_length == 0 && !exists(&mut c, &keys.events()).await? {
+        return Ok(status);
+    }
+    let groups: Vec<HashMap<String, Value>> = redis::cmd("XINFO")
+        .arg("GROUPS")
+        .arg(keys.events())
+        .query_async(&mut c)
+        .await?;
+    let Some(group) = groups.iter().find(|g| text(g.get("name")) == GROUP) else {
+        return Ok(status);
+    };
+    status.group_exists = true;
+    status.pending = int(group.get("pending")).unwrap_or(0);
+    status.lag = int(group.get("lag"));
+    let consumers: Vec<HashMap<String, Value>> = redis::cmd("XINFO")
+        .arg("CONSUMERS")
+        .arg(keys.events())
+        .arg(GROUP)
+        .query_async(&mut c)
+        .await?;
+    status.consumers = consumers
+        .iter()
+        .map(|m| Consumer {
+            name: text(m.get("name")),
+            pending: int(m.get("pending")).unwrap_or(0),
+            idle_ms: int(m.get("idle")).unwrap_or(0),
+        })
+        .collect();
+    Ok(status)
+}
+
+async fn exists(c: &mut ConnectionManager, key: &str) -> Result<bool> {
+    Ok(redis::cmd("EXISTS").arg(key).query_async::<i64>(c).await? == 1)
+}
+
+fn text(v: Option<&Value>) -> String {
+    match v {
+        Some(Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+        Some(Value::SimpleString(s)) => s.clone(),
+        _ => String::new(),
+    }
+}
+
+fn int(v: Option<&Value>) -> Option<u64> {
+    match v {
+        Some(Value::Int(i)) => u64::try_from(*i).ok(),
+        Some(Value::BulkString(b)) => std::str::from_utf8(b).ok()?.parse().ok(),
+        _ => None,
+    }
+}
+
+impl fmt::Display for Status {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "stream          {} ({} entries)",
+            self.stream, self.stream_length
+        )?;
+        if !self.group_exists {
+            writeln!(
+                f,
+                "group           {GROUP}: not created yet (no worker has started)"
+            )?;
+        } else {
+            let lag = self.lag.map_or("unknown".to_owned(), |l| l.to_string());
+            writeln!(
+                f,
+                "group           {GROUP}: lag {lag}, pending {}",
+                self.pending
+            )?;
+        }
+        writeln!(f, "consumers       {}", self.consumers.len())?;
+        for c in &self.consumers {
+            writeln!(
+                f,
+                "  {:<40} pending {:>6}  idle {:>8} ms",
+                c.name, c.pending, c.idle_ms
+            )?;
+        }
+        writeln!(f, "dead letters    {}", self.dead_letters)?;
+        writeln!(f, "servers known   {}", self.servers_known)
+    }
+}

@@ -1,0 +1,305 @@
+//! The events stream and its consumer group: reading, acknowledging, dead-lettering.
+//!
+//! Replies are parsed from raw [`redis::Value`]s into [`Entry`]s with byte-string
+//! fields, so that an entry with non-UTF-8 field names (hostile or buggy producers) is
+//! still read, dead-lettered and acknowledged instead of failing the whole batch.
+
+use redis::{aio::ConnectionManager, Value};
+
+use crate::{
+    error::{Error, Result},
+    event::{Entry, FIELD_PAYLOAD, FIELD_TYPE},
+    keys::{Keys, GROUP},
+};
+
+/// Creates the consumer group at the start of the stream (id `0`), so that events
+/// published before the first worker ever started are processed too; creates the
+/// stream if missing. An existing group is left as it is.
+pub async fn ensure_group(conn: &ConnectionManager, keys: &Keys) -> Result<()> {
+    let created: redis::RedisResult<()> = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(keys.events())
+        .arg(GROUP)
+        .arg("0")
+        .arg("MKSTREAM")
+        .query_async(&mut conn.clone())
+        .await;
+    match created {
+        Err(e) if e.code() == Some("BUSYGROUP") => Ok(()),
+        other => Ok(other?),
+    }
+}
+
+/// True for the error Redis gives when the stream or the group is gone (deleted, or lost
+/// in a restart without persistence): the group must be created again.
+pub fn is_no_group(e: &Error) -> bool {
+    matches!(e, Error::Redis(r) if r.code() == Some("NOGROUP"))
+}
+
+/// Reads up to `count` new entries for `consumer`, blocking up to `block_ms`.
+pub async fn read_new(
+    conn: &ConnectionManager,
+    keys: &Keys,
+    consumer: &str,
+    count: usize,
+    block_ms: u64,
+) -> Result<Vec<Entry>> {
+    let reply: Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg(GROUP)
+        .arg(consumer)
+        .arg("COUNT")
+        .arg(count)
+        .arg("BLOCK")
+        .arg(block_ms)
+        .arg("STREAMS")
+        .arg(keys.events())
+        .arg(">")
+        .query_async(&mut conn.clone())
+        .await?;
+    parse_read_reply(reply)
+}
+
+/// Acknowledges one entry; returns whether it was still pending.
+pub async fn ack(conn: &ConnectionManager, keys: &Keys, id: &str) -> Result<bool> {
+    let n: i64 = redis::cmd("XACK")
+        .arg(keys.events())
+        .arg(GROUP)
+        .arg(id)
+        .query_async(&mut conn.clone())
+        .await?;
+    Ok(n == 1)
+}
+
+/// Copies `entry` to the dead-letter stream with `error` and `failed_at_ms`, and
+/// acknowledges it, in one MULTI: either both happen or neither.
+pub async fn dead_letter(
+    conn: &ConnectionManager,
+    keys: &Keys,
+    entry: &Entry,
+    error: &str,
+) -> Result<()> {
+    let mut xadd = redis::cmd("XADD");
+    xadd.arg(keys.dead_letters()).arg("*");
+    for (k, v) in &entry.fields {
+        // The janitor's own fields are written below; an original field of the same name
+        // is kept under another name rather than silently overwritten.
+        if k == b"error" || k == b"failed_at_ms" {
+            xadd.arg([b"original_".as_slice(), k].concat()).arg(v);
+        } else {
+            xadd.arg(k).arg(v);
+        }
+    }
+    xadd.arg("error")
+        .arg(error)
+        .arg("failed_at_ms")
+        .arg(crate::now_ms());
+    let mut pipe = redis::pipe();
+    pipe.atomic()
+        .add_command(xadd)
+        .ignore()
+        .cmd("XACK")
+        .arg(keys.events())
+        .arg(GROUP)
+        .arg(&entry.id)
+        .ignore();
+    let () = pipe.query_async(&mut conn.clone()).await?;
+    Ok(())
+}
+
+/// Publishes one entry with the given fields; returns its id.
+pub async fn publish(
+    conn: &ConnectionManager,
+    stream: &str,
+    fields: &[(&[u8], &[u8])],
+) -> Result<String> {
+    let mut xadd = redis::cmd("XADD");
+    xadd.arg(stream).arg("*");
+    for (k, v) in fields {
+        xadd.arg(*k).arg(*v);
+    }
+    Ok(xadd.query_async(&mut conn.clone()).await?)
+}
+
+/// Publishes a `server.dead` payload on the events stream; returns the entry id.
+pub async fn publish_event(
+    conn: &ConnectionManager,
+    keys: &Keys,
+    payload: &[u8],
+) -> Result<String> {
+    publish(
+        conn,
+        &keys.events(),
+        &[
+            (FIELD_TYPE.as_bytes(), crate::event::EVENT_TYPE.as_bytes()),
+            (FIELD_PAYLOAD.as_bytes(), payload),
+        ],
+    )
+    .await
+}
+
+/// Parses an XREADGROUP/XREAD reply (RESP2 arrays or RESP3 maps; nil on timeout).
+pub fn parse_read_reply(reply: Value) -> Result<Vec<Entry>> {
+    let streams = match reply {
+        Value::Nil => return Ok(Vec::new()),
+        Value::Array(streams) => streams
+            .into_iter()
+            .map(|s| match s {
+                Value::Array(mut kv) if kv.len() == 2 => Ok(kv.pop().expect("two items")),
+                other => Err(protocol("stream", &other)),
+            })
+            .collect::<Result<Vec<_>>>()?,
+        Value::Map(streams) => streams.into_iter().map(|(_, v)| v).collect(),
+        other => return Err(protocol("XREADGROUP reply", &other)),
+    };
+    let mut entries = Vec::new();
+    for stream in streams {
+        match stream {
+            Value::Array(items) => {
+                for item in items {
+                    if let Some(entry) = parse_entry(item)? {
+                        entries.push(entry);
+                    }
+                }
+            }
+            Value::Nil => {}
+            other => return Err(protocol("stream entries", &other)),
+        }
+    }
+    Ok(entries)
+}
+
+/// Parses one `[id, [field, value, ...]]`; `None` for an entry deleted while pending
+/// (its fields come back as nil).
+pub fn parse_entry(item: Value) -> Result<Option<Entry>> {
+    let Value::Array(mut pair) = item else {
+        return Err(protocol("stream entry", &item));
+    };
+    if pair.len() != 2 {
+        return Err(Error::Protocol(format!(
+            "stream entry of {} items",
+            pair.len()
+        )));
+    }
+    let fields = pair.pop().expect("two items");
+    let id = bytes(pair.pop().expect("two items"))?;
+    let id = String::from_utf8(id).map_err(|_| Error::Protocol("non-UTF-8 entry id".into()))?;
+    let flat = match fields {
+        Value::Nil => return Ok(None),
+        Value::Array(flat) => flat,
+        Value::Map(pairs) => pairs.into_iter().flat_map(|(k, v)| [k, v]).collect(),
+        other => return Err(protocol("entry fields", &other)),
+    };
+    let mut fields = Vec::with_capacity(flat.len() / 2);
+    let mut it = flat.into_iter();
+    while let (Some(k), Some(v)) = (it.next(), it.next()) {
+        fields.push((bytes(k)?, bytes(v)?));
+    }
+    Ok(Some(Entry { id, fields }))
+}
+
+fn bytes(v: Value) -> Result<Vec<u8>> {
+    match v {
+        Value::BulkString(b) => Ok(b),
+        Value::SimpleString(s) => Ok(s.into_bytes()),
+        Value::Int(i) => Ok(i.to_string().into_bytes()),
+        other => Err(protocol("bulk string", &other)),
+    }
+}
+
+fn protocol(what: &str, got: &Value) -> Error {
+    Error::Protocol(format!("expected {what}, got {got:?}"))
+}
+
+/// What one XAUTOCLAIM round took over.
+#[derive(Debug, Default)]
+pub struct Claimed {
+    /// Where the next round starts (`0-0` after a full pass over the pending list).
+    pub next_cursor: String,
+    /// Entries now ours, with their delivery count (this delivery included).
+    pub entries: Vec<(Entry, u64)>,
+    /// Pending ids whose entries had been deleted from the stream; Redis 7 drops them from
+    /// the pending list itself, and they are only counted here.
+    pub deleted: usize,
+}
+
+/// Takes over up to `count` entries idle for at least `min_idle_ms`, starting at `cursor`.
+pub async fn autoclaim(
+    conn: &ConnectionManager,
+    keys: &Keys,
+    consumer: &str,
+    min_idle_ms: u64,
+    cursor: &str,
+    count: usize,
+) -> Result<Claimed> {
+    let reply: Value = redis::cmd("XAUTOCLAIM")
+        .arg(keys.events())
+        .arg(GROUP)
+        .arg(consumer)
+        .arg(min_idle_ms)
+        .arg(cursor)
+        .arg("COUNT")
+        .arg(count)
+        .query_async(&mut conn.clone())
+        .await?;
+    let Value::Array(mut parts) = reply else {
+        return Err(protocol("XAUTOCLAIM reply", &reply));
+    };
+    if parts.len() < 2 {
+        return Err(Error::Protocol("short XAUTOCLAIM reply".into()));
+    }
+    let deleted = match parts.get(2) {
+        Some(Value::Array(ids)) => ids.len(),
+        _ => 0,
+    };
+    parts.truncate(2);
+    let claimed = parts.pop().expect("two items");
+    let next_cursor =
+        String::from_utf8_lossy(&bytes(parts.pop().expect("two items"))?).into_owned();
+    let mut entries = Vec::new();
+    if let Value::Array(items) = claimed {
+        for item in items {
+            if let Some(entry) = parse_entry(item)? {
+                entries.push(entry);
+            }
+        }
+    }
+    let mut with_counts = Vec::with_capacity(entries.len());
+    if let (Some(first), Some(last)) = (entries.first(), entries.last()) {
+        let counts =
+            delivery_counts(conn, keys, consumer, &first.id, &last.id, entries.len()).await?;
+        for entry in entries {
+            let n = counts
+                .iter()
+                .find(|(id, _)| *id == entry.id)
+                .map_or(1, |(_, n)| *n);
+            with_counts.push((entry, n));
+        }
+    }
+    Ok(Claimed {
+        next_cursor,
+        entries: with_counts,
+        deleted,
+    })
+}
+
+/// Delivery counts of `consumer`'s pending entries between two ids (XPENDING extended form).
+async fn delivery_counts(
+    conn: &ConnectionManager,
+    keys: &Keys,
+    consumer: &str,
+    first: &str,
+    last: &str,
+    count: usize,
+) -> Result<Vec<(String, u64)>> {
+    let rows: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+        .arg(keys.events())
+        .arg(GROUP)
+        .arg(first)
+        .arg(last)
+        .arg(count)
+        .arg(consumer)
+        .query_async(&mut conn.clone())
+        .await?;
+    Ok(rows.into_iter().map(|(id, _, _, n)| (id, n)).collect())
+}

@@ -1,0 +1,366 @@
+//! The worker: a consumer in the group that cleans dead servers.
+//!
+//! ```text
+//!  registry:events ──XREADGROUP (own connection, BLOCK)──► read loop ──spawn──► handle()
+//!        ▲                                                   │ permits          │
+//!        │              XAUTOCLAIM (idle > claim_min_idle) ──┘ (concurrency)    │
+//!        └──────────── XACK / dead letter + XACK (MULTI) ◄──────────────────────┘
+//! ```
+//!
+//! - At most `concurrency` entries are in hand at once: a semaphore permit moves into
+//!   each spawned task, and the read asks for no more entries than there are permits.
+//! - An entry is acknowledged only when its work is done: cleaned, dead-lettered, or not
+//!   ours. A cleanup that fails or is abandoned stays pending; the claim loop of some
+//!   worker takes it over after `claim_min_idle_ms` and resumes from the stored cursor.
+//!   Past `max_deliveries`, it is dead-lettered with the delivery count.
+//! - Redis outages are retried with capped backoff in every loop; nothing is acknowledged
+//!   on the way.
+//! - Shutdown: the read loop stops at once (a blocked read returns within `block_ms`);
+//!   cleanups in hand run on for up to `drain_timeout_ms`, then stop between two steps.
+
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use backon::BackoffBuilder;
+use redis::aio::ConnectionManager;
+use tokio::{
+    sync::{OwnedSemaphorePermit, Semaphore},
+    task::JoinSet,
+};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, info, info_span, warn, Instrument};
+
+use crate::{
+    cleanup::Cleaner,
+    config::Settings,
+    conn,
+    error::{Error, Result},
+    event::{classify, Classified, Entry},
+    keys::Keys,
+    metrics::{outcome, Metrics},
+    retry::{policy, retrying},
+    stream,
+};
+
+/// One worker process's state, shared by its tasks.
+pub struct Worker {
+    keys: Keys,
+    consumer: String,
+    cleaner: Cleaner,
+    settings: Settings,
+    client: redis::Client,
+    conn: ConnectionManager,
+    metrics: Metrics,
+}
+
+impl Worker {
+    /// Builds a worker from validated settings. Does not touch Redis yet.
+    pub fn new(settings: &Settings, metrics: Metrics) -> Result<Self> {
+        let client = conn::client(&settings.redis_url)?;
+        let keys = Keys::new(settings.key_prefix.clone());
+        Ok(Worker {
+            cleaner: Cleaner::new(
+                keys.clone(),
+                settings.layout,
+                settings.chunk_size,
+                settings.chunks_in_flight,
+            ),
+            keys,
+            consumer: settings.consumer_name(),
+            conn: conn::shared(&client)?,
+            client,
+            settings: settings.clone(),
+            metrics,
+        })
+    }
+
+    pub fn consumer(&self) -> &str {
+        &self.consumer
+    }
+
+    /// Runs until `shutdown` fires, then drains. Returns an error only for a failure that
+    /// retrying cannot fix (for example a permission error on the stream).
+    pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
+        let this = Arc::new(self);
+        let abandon = CancellationToken::new();
+        let permits = Arc::new(Semaphore::new(this.settings.concurrency));
+        let mut tasks = JoinSet::new();
+        info!(consumer = %this.consumer, stream = %this.keys.events(), "worker starting");
+
+        match retrying("creating the consumer group", &shutdown, || {
+            stream::ensure_group(&this.conn, &this.keys)
+        })
+        .await
+        {
+            Err(Error::Cancelled) => return Ok(()),
+            other => other?,
+        }
+
+        let claimer = tokio::spawn(this.clone().claim_loop(
+            permits.clone(),
+            shutdown.clone(),
+            abandon.clone(),
+        ));
+        let result = this
+            .clone()
+            .read_loop(&permits, &mut tasks, &shutdown, &abandon)
+            .await;
+        shutdown.cancel();
+        let _ = claimer.await;
+        this.drain(tasks, abandon).await;
+        info!(consumer = %this.consumer, "worker stopped");
+        result
+    }
+
+    async fn read_loop(
+        self: Arc<Self>,
+        permits: &Arc<Semaphore>,
+        tasks: &mut JoinSet<()>,
+        shutdown: &CancellationToken,
+        abandon: &CancellationToken,
+    ) -> Result<()> {
+        let block = Duration::from_millis(self.settings.block_ms);
+        let reader = conn::blocking(&self.client, block)?;
+        let mut backoff = policy().build();
+        let mut failing = false;
+        loop {
+            while tasks.try_join_next().is_some() {}
+            let mut held = tokio::select! {
+                p = permits.clone().acquire_owned() => vec![p.expect("semaphore never closed")],
+                _ = shutdown.cancelled() => return Ok(()),
+            };
+            while let Ok(p) = permits.clone().try_acquire_owned() {
+                held.push(p);
+            }
+            if shutdown.is_cancelled() {
+                return Ok(());
+            }
+            // The read is not raced against shutdown: dropping it mid-flight could leave
+            // entries delivered to us that nobody handles until a takeover.
+            let read = stream::read_new(
+                &reader,
+                &self.keys,
+                &self.consumer,
+                held.len(),
+                self.settings.block_ms,
+            )
+            .await;
+            let entries = match read {
+                Ok(entries) => {
+                    if std::mem::take(&mut failing) {
+                        info!("reading events recovered");
+                    }
+                    backoff = policy().build();
+                    entries
+                }
+                Err(e) if stream::is_no_group(&e) => {
+                    warn!("the events stream or its group is gone; creating it again");
+                    match retrying("creating the consumer group", shutdown, || {
+                        stream::ensure_group(&self.conn, &self.keys)
+                    })
+                    .await
+                    {
+                        Err(Error::Cancelled) => return Ok(()),
+                        other => other?,
+                    }
+                    continue;
+                }
+                Err(e) if e.is_retryable() => {
+                    self.metrics.redis_errors.inc();
+                    if !std::mem::replace(&mut failing, true) {
+                        warn!(error = %e, "reading events failing, retrying with backoff");
+                    }
+                    let wait = backoff.next().unwrap_or(Duration::from_secs(5));
+                    tokio::select! {
+                        _ = tokio::time::sleep(wait) => continue,
+                        _ = shutdown.cancelled() => return Ok(()),
+                    }
+                }
+                Err(e) => return Err(e),
+            };
+            for entry in entries {
+                let permit = held.pop().expect("no more entries than permits");
+                tasks.spawn(self.clone().handle(entry, None, permit, abandon.clone()));
+            }
+        }
+    }
+
+    /// Takes over entries idle longer than `claim_min_idle_ms` (their consumer crashed
+    /// or stalled), a few at a time, as permits allow.
+    async fn claim_loop(
+        self: Arc<Self>,
+        permits: Arc<Semaphore>,
+        shutdown: CancellationToken,
+        abandon: CancellationToken,
+    ) {
+        let interval =
+            Duration::from_millis((self.settings.claim_min_idle_ms / 4).clamp(250, 10_000));
+        let mut cursor = "0-0".to_owned();
+        let mut tasks = JoinSet::new();
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(interval) => {}
+                _ = shutdown.cancelled() => break,
+            }
+            while tasks.try_join_next().is_some() {}
+            let mut held = Vec::new();
+            while let Ok(p) = permits.clone().try_acquire_owned() {
+                held.push(p);
+            }
+            if held.is_empty() {
+                continue;
+            }
+            let claimed = retrying("taking over idle entries", &shutdown, || {
+                stream::autoclaim(
+                    &self.conn,
+                    &self.keys,
+                    &self.consumer,
+                    self.settings.claim_min_idle_ms,
+                    &cursor,
+                    held.len(),
+                )
+            })
+            .await;
+            let claimed = match claimed {
+                Ok(c) => c,
+                Err(Error::Cancelled) => break,
+                Err(e) => {
+                    error!(error = %e, "taking over idle entries failed");
+                    continue;
+                }
+            };
+            cursor = claimed.next_cursor;
+            if claimed.deleted > 0 {
+                warn!(count = claimed.deleted, "pending entries had been deleted from the stream; dropped from the pending list");
+            }
+            for (entry, deliveries) in claimed.entries {
+                self.metrics.entries_claimed.inc();
+                let permit = held.pop().expect("no more entries than permits");
+                tasks.spawn(
+                    self.clone()
+                        .handle(entry, Some(deliveries), permit, abandon.clone()),
+                );
+            }
+        }
+        while tasks.join_next().await.is_some() {}
+    }
+
+    /// Waits for cleanups in hand; past the drain timeout, tells them to stop between steps.
+    async fn drain(&self, mut tasks: JoinSet<()>, abandon: CancellationToken) {
+        if tasks.is_empty() {
+            return;
+        }
+        info!(in_flight = tasks.len(), "draining cleanups in hand");
+        let timeout = Duration::from_millis(self.settings.drain_timeout_ms);
+        let all_done = async { while tasks.join_next().await.is_some() {} };
+        tokio::pin!(all_done);
+        tokio::select! {
+            _ = &mut all_done => return,
+            _ = tokio::time::sleep(timeout) => {}
+        }
+        warn!("drain timeout reached; abandoning cleanups between steps (they stay pending)");
+        abandon.cancel();
+        all_done.await;
+    }
+
+    /// Handles one entry to its end: acknowledged, dead-lettered, or left pending.
+    async fn handle(
+        self: Arc<Self>,
+        entry: Entry,
+        deliveries: Option<u64>,
+        _permit: OwnedSemaphorePermit,
+        abandon: CancellationToken,
+    ) {
+        if let Some(n) = deliveries.filter(|&n| n > self.settings.max_deliveries) {
+            let reason = format!(
+                "delivered {n} times, more than max_deliveries={}",
+                self.settings.max_deliveries
+            );
+            return self.dead_letter(&entry, &reason, &abandon).await;
+        }
+        match classify(&entry, self.settings.max_payload_bytes) {
+            Classified::Foreign(kind) => {
+                debug!(id = %entry.id, %kind, "not ours; acknowledging");
+                if self.ack(&entry.id, &abandon).await {
+                    self.metrics
+                        .events
+                        .with_label_values(&[outcome::IGNORED])
+                        .inc();
+                }
+            }
+            Classified::Malformed(e) => self.dead_letter(&entry, &e.to_string(), &abandon).await,
+            Classified::ServerDead(event, server) => {
+                let span = info_span!("server_dead", event_id = %event.event_id, server_id = %server, entry = %entry.id);
+                async {
+                    let started = Instant::now();
+                    let metrics = &self.metrics;
+                    let cleaned = self
+                        .cleaner
+                        .clean(&self.conn, &server, &abandon, |step| {
+                            metrics.entries_deleted.inc_by(step.deleted);
+                            metrics.entries_kept.inc_by(step.kept);
+                        })
+                        .await;
+                    match cleaned {
+                        Ok(report) => {
+                            if self.ack(&entry.id, &abandon).await {
+                                let elapsed = started.elapsed();
+                                metrics.events.with_label_values(&[outcome::CLEANED]).inc();
+                                metrics.cleanup_seconds.observe(elapsed.as_secs_f64());
+                                let stale = crate::now_ms().saturating_sub(event.detected_at_ms);
+                                metrics.stale_window_seconds.observe(stale as f64 / 1000.0);
+                                info!(deleted = report.deleted, kept = report.kept, scanned = report.scanned, elapsed_ms = elapsed.as_millis() as u64, "server cleaned");
+                            }
+                        }
+                        Err(Error::Cancelled) => {
+                            metrics.events.with_label_values(&[outcome::ABANDONED]).inc();
+                            info!("cleanup abandoned at shutdown; the entry stays pending for takeover");
+                        }
+                        Err(e) => {
+                            metrics.events.with_label_values(&[outcome::FAILED]).inc();
+                            error!(error = %e, "cleanup failed; the entry stays pending and is retried after claim_min_idle_ms");
+                        }
+                    }
+                }
+                .instrument(span)
+                .await
+            }
+        }
+    }
+
+    /// Acknowledges, retrying through outages; false if abandoned first.
+    async fn ack(&self, id: &str, abandon: &CancellationToken) -> bool {
+        match retrying("acknowledging", abandon, || {
+            stream::ack(&self.conn, &self.keys, id)
+        })
+        .await
+        {
+            Ok(_) => true,
+            Err(e) => {
+                warn!(id, error = %e, "not acknowledged; the entry stays pending");
+                false
+            }
+        }
+    }
+
+    async fn dead_letter(&self, entry: &Entry, reason: &str, abandon: &CancellationToken) {
+        let done = retrying("dead-lettering", abandon, || {
+            stream::dead_letter(&self.conn, &self.keys, entry, reason)
+        })
+        .await;
+        match done {
+            Ok(()) => {
+                self.metrics
+                    .events
+                    .with_label_values(&[outcome::DEAD_LETTERED])
+                    .inc();
+                warn!(id = %entry.id, error = reason, "entry dead-lettered");
+            }
+            Err(e) => {
+                warn!(id = %entry.id, error = %e, "dead-lettering failed; the entry stays pending")
+            }
+        }
+    }
+}
