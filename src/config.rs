@@ -104,7 +104,7 @@ impl Settings {
         if let Some(path) = file.map(Path::to_path_buf).or(env_file.map(Into::into)) {
             if !path.is_file() {
                 return Err(Error::Setting {
-                    name: "config",
+                    name: "config".into(),
                     reason: format!("no such file: {}", path.display()),
                 });
             }
@@ -114,7 +114,7 @@ impl Settings {
             .merge(Env::prefixed(ENV_PREFIX).ignore(&["config"]))
             .merge(Serialized::defaults(overrides))
             .extract()
-            .map_err(|e| Error::Settings(Box::new(e)))?;
+            .map_err(setting_error)?;
         settings.validate()?;
         Ok(settings)
     }
@@ -130,7 +130,7 @@ impl Settings {
     pub fn validate(&self) -> Result<()> {
         fn bad(name: &'static str, reason: impl Into<String>) -> Result<()> {
             Err(Error::Setting {
-                name,
+                name: name.into(),
                 reason: reason.into(),
             })
         }
@@ -212,6 +212,24 @@ impl Settings {
         self.consumer_name
             .clone()
             .unwrap_or_else(default_consumer_name)
+    }
+}
+
+/// Turns figment's error into one that names the setting as operators know it
+/// (`chunk_size`, not the environment's `CHUNK_SIZE`) and says where the value came from.
+fn setting_error(e: figment::Error) -> Error {
+    let Some(key) = e.path.last() else {
+        return Error::Settings(Box::new(e));
+    };
+    let name = key.to_ascii_lowercase();
+    let origin = e
+        .metadata
+        .as_ref()
+        .map(|m| format!(" (from {})", m.name))
+        .unwrap_or_default();
+    Error::Setting {
+        name: name.into(),
+        reason: format!("{}{origin}", e.kind),
     }
 }
 

@@ -127,7 +127,7 @@ impl fmt::Display for Summary {
 pub async fn run(settings: &Settings, options: &Options) -> Result<Summary> {
     if options.dead > options.servers || options.servers < 2 || options.dead == 0 {
         return Err(Error::Setting {
-            name: "demo",
+            name: "demo".into(),
             reason: "needs at least 2 servers and 1 to servers-1 dead ones".into(),
         });
     }

@@ -13,15 +13,19 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub enum Error {
     /// A setting has a value the program cannot run with.
     #[error("invalid setting `{name}`: {reason}")]
-    Setting { name: &'static str, reason: String },
+    Setting {
+        name: std::borrow::Cow<'static, str>,
+        reason: String,
+    },
 
     /// The settings could not be read (a bad TOML file, a value of the wrong type).
     #[error("invalid settings: {0}")]
     Settings(#[from] Box<figment::Error>),
 
-    /// A command to Redis failed.
+    /// A command to Redis failed. Not chained as a `source`: redis-rs already prints its
+    /// own cause in its message, and chaining it would print it twice.
     #[error("redis: {0}")]
-    Redis(#[from] redis::RedisError),
+    Redis(redis::RedisError),
 
     /// A `server.dead` payload that cannot be decoded or validated.
     #[error("invalid event: {0}")]
@@ -44,6 +48,12 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+}
+
+impl From<redis::RedisError> for Error {
+    fn from(e: redis::RedisError) -> Self {
+        Error::Redis(e)
+    }
 }
 
 impl Error {

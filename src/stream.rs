@@ -12,6 +12,21 @@ use crate::{
     keys::{Keys, GROUP},
 };
 
+/// Creates the group (see [`ensure_group`]) and registers `consumer` in it, so that an
+/// idle worker shows in `XINFO CONSUMERS` (Redis 7.0 creates a consumer only when a read
+/// returns entries).
+pub async fn join_group(conn: &ConnectionManager, keys: &Keys, consumer: &str) -> Result<()> {
+    ensure_group(conn, keys).await?;
+    let _: i64 = redis::cmd("XGROUP")
+        .arg("CREATECONSUMER")
+        .arg(keys.events())
+        .arg(GROUP)
+        .arg(consumer)
+        .query_async(&mut conn.clone())
+        .await?;
+    Ok(())
+}
+
 /// Creates the consumer group at the start of the stream (id `0`), so that events
 /// published before the first worker ever started are processed too; creates the
 /// stream if missing. An existing group is left as it is.

@@ -90,7 +90,7 @@ impl Worker {
         info!(consumer = %this.consumer, stream = %this.keys.events(), "worker starting");
 
         match retrying("creating the consumer group", &shutdown, || {
-            stream::ensure_group(&this.conn, &this.keys)
+            stream::join_group(&this.conn, &this.keys, &this.consumer)
         })
         .await
         {
@@ -98,17 +98,10 @@ impl Worker {
             other => other?,
         }
 
-        let claimer = tokio::spawn(this.clone().claim_loop(
-            permits.clone(),
-            shutdown.clone(),
-            abandon.clone(),
-        ));
         let result = this
             .clone()
             .read_loop(&permits, &mut tasks, &shutdown, &abandon)
             .await;
-        shutdown.cancel();
-        let _ = claimer.await;
         this.drain(tasks, abandon).await;
         info!(consumer = %this.consumer, "worker stopped");
         result
@@ -125,6 +118,12 @@ impl Worker {
         let reader = conn::blocking(&self.client, block)?;
         let mut backoff = policy().build();
         let mut failing = false;
+        // Takeover runs in this loop, between reads, with the permits in hand: a separate
+        // loop would starve, as the read holds every free permit while it blocks.
+        let claim_every =
+            Duration::from_millis((self.settings.claim_min_idle_ms / 4).clamp(250, 10_000));
+        let mut last_claim = Instant::now();
+        let mut claim_cursor = "0-0".to_owned();
         loop {
             while tasks.try_join_next().is_some() {}
             let mut held = tokio::select! {
@@ -136,6 +135,23 @@ impl Worker {
             }
             if shutdown.is_cancelled() {
                 return Ok(());
+            }
+            if last_claim.elapsed() >= claim_every {
+                last_claim = Instant::now();
+                held = match self
+                    .take_over(&mut claim_cursor, held, tasks, shutdown, abandon)
+                    .await
+                {
+                    Ok(held) => held,
+                    Err(Error::Cancelled) => return Ok(()),
+                    Err(e) => {
+                        error!(error = %e, "taking over idle entries failed");
+                        continue;
+                    }
+                };
+                if held.is_empty() {
+                    continue;
+                }
             }
             // The read is not raced against shutdown: dropping it mid-flight could leave
             // entries delivered to us that nobody handles until a takeover.
@@ -158,7 +174,7 @@ impl Worker {
                 Err(e) if stream::is_no_group(&e) => {
                     warn!("the events stream or its group is gone; creating it again");
                     match retrying("creating the consumer group", shutdown, || {
-                        stream::ensure_group(&self.conn, &self.keys)
+                        stream::join_group(&self.conn, &self.keys, &self.consumer)
                     })
                     .await
                     {
@@ -188,63 +204,43 @@ impl Worker {
     }
 
     /// Takes over entries idle longer than `claim_min_idle_ms` (their consumer crashed
-    /// or stalled), a few at a time, as permits allow.
-    async fn claim_loop(
-        self: Arc<Self>,
-        permits: Arc<Semaphore>,
-        shutdown: CancellationToken,
-        abandon: CancellationToken,
-    ) {
-        let interval =
-            Duration::from_millis((self.settings.claim_min_idle_ms / 4).clamp(250, 10_000));
-        let mut cursor = "0-0".to_owned();
-        let mut tasks = JoinSet::new();
-        loop {
-            tokio::select! {
-                _ = tokio::time::sleep(interval) => {}
-                _ = shutdown.cancelled() => break,
-            }
-            while tasks.try_join_next().is_some() {}
-            let mut held = Vec::new();
-            while let Ok(p) = permits.clone().try_acquire_owned() {
-                held.push(p);
-            }
-            if held.is_empty() {
-                continue;
-            }
-            let claimed = retrying("taking over idle entries", &shutdown, || {
-                stream::autoclaim(
-                    &self.conn,
-                    &self.keys,
-                    &self.consumer,
-                    self.settings.claim_min_idle_ms,
-                    &cursor,
-                    held.len(),
-                )
-            })
-            .await;
-            let claimed = match claimed {
-                Ok(c) => c,
-                Err(Error::Cancelled) => break,
-                Err(e) => {
-                    error!(error = %e, "taking over idle entries failed");
-                    continue;
-                }
-            };
-            cursor = claimed.next_cursor;
-            if claimed.deleted > 0 {
-                warn!(count = claimed.deleted, "pending entries had been deleted from the stream; dropped from the pending list");
-            }
-            for (entry, deliveries) in claimed.entries {
-                self.metrics.entries_claimed.inc();
-                let permit = held.pop().expect("no more entries than permits");
-                tasks.spawn(
-                    self.clone()
-                        .handle(entry, Some(deliveries), permit, abandon.clone()),
-                );
-            }
+    /// or stalled), as many as the permits in hand; returns the permits left over.
+    async fn take_over(
+        self: &Arc<Self>,
+        cursor: &mut String,
+        mut held: Vec<OwnedSemaphorePermit>,
+        tasks: &mut JoinSet<()>,
+        shutdown: &CancellationToken,
+        abandon: &CancellationToken,
+    ) -> Result<Vec<OwnedSemaphorePermit>> {
+        let claimed = retrying("taking over idle entries", shutdown, || {
+            stream::autoclaim(
+                &self.conn,
+                &self.keys,
+                &self.consumer,
+                self.settings.claim_min_idle_ms,
+                cursor,
+                held.len(),
+            )
+        })
+        .await?;
+        *cursor = claimed.next_cursor;
+        if claimed.deleted > 0 {
+            warn!(
+                count = claimed.deleted,
+                "pending entries had been deleted from the stream; dropped from the pending list"
+            );
         }
-        while tasks.join_next().await.is_some() {}
+        for (entry, deliveries) in claimed.entries {
+            self.metrics.entries_claimed.inc();
+            info!(id = %entry.id, deliveries, "taking over an idle entry");
+            let permit = held.pop().expect("no more entries than permits");
+            tasks.spawn(
+                self.clone()
+                    .handle(entry, Some(deliveries), permit, abandon.clone()),
+            );
+        }
+        Ok(held)
     }
 
     /// Waits for cleanups in hand; past the drain timeout, tells them to stop between steps.

@@ -1,0 +1,287 @@
+//! Test harness: a real `redis-server` per test on a free port (never a fixed one, never
+//! the machine's own Redis), a key prefix per test, workers run in-process or as real
+//! processes, and waits that fail with the server's log attached.
+#![allow(dead_code)]
+
+use std::{
+    future::Future,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use redis::aio::ConnectionManager;
+use registry_janitor::{
+    config::{Layout, Settings},
+    conn,
+    event::{ServerDead, ServerId},
+    keys::Keys,
+    metrics::Metrics,
+    redis_server::RedisServer,
+    registry::Registry,
+    status, stream,
+    worker::Worker,
+};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// Starts a private redis-server, or fails with a clear message.
+pub fn redis() -> RedisServer {
+    redis_with(&[])
+}
+
+pub fn redis_with(args: &[&str]) -> RedisServer {
+    // Worker logs go to the test's captured output, shown when a test fails.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "registry_janitor=info".into()),
+        )
+        .with_test_writer()
+        .try_init();
+    assert!(
+        RedisServer::available(),
+        "these tests need redis-server on PATH (Debian: apt-get install redis-server)"
+    );
+    RedisServer::start_with(args).expect("start redis-server")
+}
+
+/// A key prefix no other test uses.
+pub fn prefix() -> String {
+    format!("t{}:", ulid::Ulid::new())
+}
+
+/// Settings for a test: short waits so tests run fast, metrics listener off.
+pub fn settings(server: &RedisServer, layout: Layout) -> Settings {
+    let mut s = Settings::defaults();
+    s.redis_url = server.url();
+    s.key_prefix = prefix();
+    s.layout = layout;
+    s.block_ms = 200;
+    s.claim_min_idle_ms = 1000;
+    s.metrics_addr = "off".into();
+    s.chunk_size = 500;
+    s
+}
+
+pub fn connect(settings: &Settings) -> ConnectionManager {
+    conn::shared(&conn::client(&settings.redis_url).unwrap()).unwrap()
+}
+
+pub fn server(name: &str) -> ServerId {
+    ServerId::parse(name).unwrap()
+}
+
+pub fn user(server: &ServerId, n: usize) -> Vec<u8> {
+    format!("u{n}@{server}").into_bytes()
+}
+
+/// Registers `users` users on `server` and heartbeats it.
+pub async fn seed(registry: &Registry, conn: &ConnectionManager, server: &ServerId, users: usize) {
+    registry.heartbeat(conn, server, 60_000).await.unwrap();
+    let ids: Vec<Vec<u8>> = (0..users).map(|n| user(server, n)).collect();
+    registry
+        .register_many(conn, ids.iter().map(Vec::as_slice), server, 1000)
+        .await
+        .unwrap();
+}
+
+/// Publishes `server.dead` for `server`; returns the entry id.
+pub async fn kill(conn: &ConnectionManager, keys: &Keys, server: &ServerId) -> String {
+    let event = ServerDead::new(server, Some("test".into()), Some("test".into()));
+    stream::publish_event(conn, keys, &event.encode())
+        .await
+        .unwrap()
+}
+
+/// An in-process worker and what it counted.
+pub struct RunningWorker {
+    pub stop: CancellationToken,
+    pub handle: JoinHandle<registry_janitor::Result<()>>,
+    pub metrics: Metrics,
+    pub consumer: String,
+}
+
+impl RunningWorker {
+    pub async fn stop(self) {
+        self.stop.cancel();
+        self.handle.await.unwrap().unwrap();
+    }
+}
+
+pub fn spawn_worker(settings: &Settings) -> RunningWorker {
+    let metrics = Metrics::new();
+    let worker = Worker::new(settings, metrics.clone()).unwrap();
+    let consumer = worker.consumer().to_owned();
+    let stop = CancellationToken::new();
+    let handle = tokio::spawn(worker.run(stop.clone()));
+    RunningWorker {
+        stop,
+        handle,
+        metrics,
+        consumer,
+    }
+}
+
+/// Polls `check` until it returns true; on timeout fails with `what` and the server log.
+pub async fn wait_until<F, Fut>(server: &RedisServer, what: &str, timeout: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    while !check().await {
+        if Instant::now() > deadline {
+            panic!(
+                "timed out after {timeout:?} waiting for: {what}\n--- redis-server log ---\n{}",
+                server.log()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// Waits until every event was delivered and acknowledged.
+pub async fn wait_idle(server: &RedisServer, conn: &ConnectionManager, keys: &Keys) {
+    wait_until(
+        server,
+        "all events acknowledged",
+        Duration::from_secs(60),
+        || async {
+            status::collect_from(conn, keys)
+                .await
+                .map(|s| s.is_idle())
+                .unwrap_or(false)
+        },
+    )
+    .await;
+}
+
+/// Counts `server`'s seeded users (0..users) whose forward entry still names it.
+pub async fn still_pointing(
+    registry: &Registry,
+    conn: &ConnectionManager,
+    server: &ServerId,
+    users: usize,
+) -> usize {
+    let mut n = 0;
+    for start in (0..users).step_by(1000) {
+        let ids: Vec<Vec<u8>> = (start..users.min(start + 1000))
+            .map(|i| user(server, i))
+            .collect();
+        let owners = registry.owners(conn, &ids).await.unwrap();
+        n += owners
+            .iter()
+            .filter(|o| o.as_deref() == Some(server.as_str()))
+            .count();
+    }
+    n
+}
+
+/// All entries of a stream as (id, fields) with byte fields.
+pub async fn read_stream(
+    conn: &ConnectionManager,
+    stream: &str,
+) -> Vec<registry_janitor::event::Entry> {
+    let reply: redis::Value = redis::cmd("XRANGE")
+        .arg(stream)
+        .arg("-")
+        .arg("+")
+        .query_async(&mut conn.clone())
+        .await
+        .unwrap();
+    let redis::Value::Array(items) = reply else {
+        panic!("XRANGE reply")
+    };
+    items
+        .into_iter()
+        .filter_map(|i| stream::parse_entry(i).unwrap())
+        .collect()
+}
+
+/// The `registry-janitor` binary, configured only through `JANITOR_*` variables.
+pub fn janitor(settings: &Settings) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_registry-janitor"));
+    cmd.env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("JANITOR_REDIS_URL", &settings.redis_url)
+        .env("JANITOR_KEY_PREFIX", &settings.key_prefix)
+        .env(
+            "JANITOR_LAYOUT",
+            match settings.layout {
+                Layout::Hash => "hash",
+                Layout::Keys => "keys",
+            },
+        )
+        .env("JANITOR_CHUNK_SIZE", settings.chunk_size.to_string())
+        .env("JANITOR_BLOCK_MS", settings.block_ms.to_string())
+        .env(
+            "JANITOR_CLAIM_MIN_IDLE_MS",
+            settings.claim_min_idle_ms.to_string(),
+        )
+        .env("JANITOR_METRICS_ADDR", &settings.metrics_addr)
+        .env("RUST_LOG", "info");
+    cmd
+}
+
+/// A worker process, its log in a temporary file; killed on drop if still running.
+pub struct WorkerProcess {
+    pub child: Child,
+    log: tempfile::NamedTempFile,
+}
+
+impl WorkerProcess {
+    pub fn start(settings: &Settings) -> Self {
+        let log = tempfile::NamedTempFile::new().unwrap();
+        let child = janitor(settings)
+            .arg("worker")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log.reopen().unwrap())
+            .spawn()
+            .unwrap();
+        WorkerProcess { child, log }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.log.path()).unwrap_or_default()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let ok = Command::new("kill")
+            .args([format!("-{sig}"), self.child.id().to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill -{sig} failed");
+    }
+
+    /// Waits for exit up to `timeout`; returns the status and what it logged.
+    pub fn wait(mut self, timeout: Duration) -> (Option<std::process::ExitStatus>, String) {
+        let deadline = Instant::now() + timeout;
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break Some(status);
+            }
+            if Instant::now() > deadline {
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        if status.is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+        (status, self.log())
+    }
+}
+
+impl Drop for WorkerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
