@@ -12,8 +12,6 @@ use common::*;
 use registry_janitor::{
     config::Layout,
     event::{ServerDead, ServerId},
-    keys::Keys,
-    registry::Registry,
     status,
 };
 
@@ -101,9 +99,8 @@ fn settings_come_from_file_then_env_then_flags() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn emit_publishes_an_event_and_prints_its_id() {
-    let redis = redis();
-    let settings = settings(&redis, Layout::Hash);
-    let (code, stdout, stderr) = run(janitor(&settings).args([
+    let f = Fixture::new(Layout::Hash);
+    let (code, stdout, stderr) = run(janitor(&f.settings).args([
         "emit",
         "server-dead",
         "gw-9#1732181000123",
@@ -120,9 +117,7 @@ async fn emit_publishes_an_event_and_prints_its_id() {
         "{id}"
     );
 
-    let conn = connect(&settings);
-    let keys = Keys::new(settings.key_prefix.clone());
-    let entries = read_stream(&conn, &keys.events()).await;
+    let entries = read_stream(&f.conn, &f.keys.events()).await;
     assert_eq!(entries.len(), 1);
     assert_eq!(entries[0].id, id);
     assert_eq!(entries[0].fields.len(), 2, "exactly `type` and `payload`");
@@ -132,25 +127,22 @@ async fn emit_publishes_an_event_and_prints_its_id() {
     assert_eq!(event.reason.as_deref(), Some("heartbeat timeout"));
     assert_eq!(event.v, 1);
 
-    let (code, _, stderr) = run(janitor(&settings).args(["emit", "server-dead", "bad{id}"]));
+    let (code, _, stderr) = run(janitor(&f.settings).args(["emit", "server-dead", "bad{id}"]));
     assert_ne!(code, 0);
     assert!(stderr.contains("SERVER_ID"), "{stderr}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_and_sigint_stop_a_worker_cleanly() {
-    let redis = redis();
-    let settings = settings(&redis, Layout::Hash);
-    let conn = connect(&settings);
-    let keys = Keys::new(settings.key_prefix.clone());
+    let f = Fixture::new(Layout::Hash);
     for sig in ["TERM", "INT"] {
-        let worker = WorkerProcess::start(&settings);
+        let worker = WorkerProcess::start(&f.settings);
         wait_until(
-            &redis,
+            &f.redis,
             "the worker joined the group",
             Duration::from_secs(20),
             || async {
-                status::collect_from(&conn, &keys)
+                status::collect_from(&f.conn, &f.keys)
                     .await
                     .is_ok_and(|s| s.consumers.len() == usize::from(sig == "INT") + 1)
             },
@@ -173,22 +165,17 @@ async fn sigterm_and_sigint_stop_a_worker_cleanly() {
 /// malformed entries among the events.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_processes_clean_many_dead_servers_while_users_reconnect() {
-    let redis = redis();
-    let mut settings = settings(&redis, Layout::Hash);
-    settings.chunk_size = 1000;
-    let conn = connect(&settings);
-    let keys = Keys::new(settings.key_prefix.clone());
-    let registry = Registry::new(keys.clone(), Layout::Hash);
+    let f = Fixture::with(Layout::Hash, |s| s.chunk_size = 1000);
     const USERS: usize = 30_000;
     let dead: Vec<ServerId> = (0..4)
         .map(|i| server(&format!("gw-{i}#1700000000000")))
         .collect();
     let live = server("gw-live#1700000000001");
     for s in dead.iter().chain([&live]) {
-        seed(&registry, &conn, s, USERS).await;
+        f.seed(s, USERS).await;
     }
 
-    let workers: Vec<_> = (0..3).map(|_| WorkerProcess::start(&settings)).collect();
+    let workers: Vec<_> = (0..3).map(|_| WorkerProcess::start(&f.settings)).collect();
     let hand_made = |server: &ServerId, n: u64| {
         use rmpv::Value as V;
         let map = V::Map(vec![
@@ -204,8 +191,8 @@ async fn worker_processes_clean_many_dead_servers_while_users_reconnect() {
         bytes
     };
     let xadd = |fields: Vec<(&'static str, Vec<u8>)>| {
-        let conn = conn.clone();
-        let stream = keys.events();
+        let conn = f.conn.clone();
+        let stream = f.keys.events();
         async move {
             let mut cmd = redis::cmd("XADD");
             cmd.arg(stream).arg("*");
@@ -240,16 +227,16 @@ async fn worker_processes_clean_many_dead_servers_while_users_reconnect() {
     let mut moved = Vec::new();
     for (i, s) in dead.iter().enumerate() {
         for n in (i..USERS).step_by(97) {
-            registry.register(&conn, &user(s, n), &live).await.unwrap();
+            f.reconnect(&user(s, n), &live).await;
             moved.push((s.clone(), n));
         }
     }
     wait_until(
-        &redis,
+        &f.redis,
         "every event acknowledged",
         Duration::from_secs(120),
         || async {
-            status::collect_from(&conn, &keys)
+            status::collect_from(&f.conn, &f.keys)
                 .await
                 .is_ok_and(|s| s.is_idle() && s.stream_length == 12)
         },
@@ -258,25 +245,18 @@ async fn worker_processes_clean_many_dead_servers_while_users_reconnect() {
 
     let mut stale = 0;
     for s in &dead {
-        stale += still_pointing(&registry, &conn, s, USERS).await;
+        stale += f.still_pointing(s, USERS).await;
     }
     assert_eq!(stale, 0, "stale entries left");
     assert_eq!(
-        still_pointing(&registry, &conn, &live, USERS).await,
+        f.still_pointing(&live, USERS).await,
         USERS,
         "live entries lost"
     );
     for (s, n) in &moved {
-        assert_eq!(
-            registry
-                .owner(&conn, &user(s, *n))
-                .await
-                .unwrap()
-                .as_deref(),
-            Some(live.as_str())
-        );
+        assert_eq!(f.owner(&user(s, *n)).await.as_deref(), Some(live.as_str()));
     }
-    let dead_letters = read_stream(&conn, &keys.dead_letters()).await;
+    let dead_letters = f.dead_letters().await;
     assert_eq!(
         dead_letters.len(),
         dead.len(),
@@ -285,7 +265,7 @@ async fn worker_processes_clean_many_dead_servers_while_users_reconnect() {
     assert!(dead_letters
         .iter()
         .all(|d| d.field("error").is_some_and(|e| !e.is_empty())));
-    let status = status::collect_from(&conn, &keys).await.unwrap();
+    let status = status::collect_from(&f.conn, &f.keys).await.unwrap();
     assert_eq!(status.pending, 0);
     assert_eq!(status.consumers.len(), 3, "three distinct consumers joined");
     for w in workers {

@@ -75,6 +75,78 @@ pub fn user(server: &ServerId, n: usize) -> Vec<u8> {
     format!("u{n}@{server}").into_bytes()
 }
 
+/// What almost every test starts with: a private Redis, settings under a fresh prefix,
+/// a connection, the key names and the registry. Fields drop in order: Redis last.
+pub struct Fixture {
+    pub settings: Settings,
+    pub conn: ConnectionManager,
+    pub keys: Keys,
+    pub registry: Registry,
+    pub redis: RedisServer,
+}
+
+impl Fixture {
+    pub fn new(layout: Layout) -> Self {
+        Self::with(layout, |_| {})
+    }
+
+    /// A fixture whose settings `adjust` changes first.
+    pub fn with(layout: Layout, adjust: impl FnOnce(&mut Settings)) -> Self {
+        Self::on(redis(), layout, adjust)
+    }
+
+    /// A fixture on a given server (for example one started with extra arguments).
+    pub fn on(redis: RedisServer, layout: Layout, adjust: impl FnOnce(&mut Settings)) -> Self {
+        let mut settings = settings(&redis, layout);
+        adjust(&mut settings);
+        let keys = Keys::new(settings.key_prefix.clone());
+        Fixture {
+            conn: connect(&settings),
+            registry: Registry::new(keys.clone(), settings.layout),
+            keys,
+            settings,
+            redis,
+        }
+    }
+
+    pub async fn seed(&self, server: &ServerId, users: usize) {
+        seed(&self.registry, &self.conn, server, users).await
+    }
+
+    /// Publishes `server.dead` for `server`.
+    pub async fn kill(&self, server: &ServerId) -> String {
+        kill(&self.conn, &self.keys, server).await
+    }
+
+    pub async fn wait_idle(&self) {
+        wait_idle(&self.redis, &self.conn, &self.keys).await
+    }
+
+    pub async fn still_pointing(&self, server: &ServerId, users: usize) -> usize {
+        still_pointing(&self.registry, &self.conn, server, users).await
+    }
+
+    pub async fn owner(&self, user: &[u8]) -> Option<String> {
+        self.registry.owner(&self.conn, user).await.unwrap()
+    }
+
+    /// Moves `user` to `server`, as a reconnect does.
+    pub async fn reconnect(&self, user: &[u8], server: &ServerId) {
+        self.registry
+            .register(&self.conn, user, server)
+            .await
+            .unwrap()
+    }
+
+    pub async fn query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> T {
+        cmd.query_async(&mut self.conn.clone()).await.unwrap()
+    }
+
+    pub async fn dead_letters(&self) -> Vec<registry_janitor::event::Entry> {
+        read_stream(&self.conn, &self.keys.dead_letters()).await
+    }
+}
+
 /// Registers `users` users on `server` and heartbeats it.
 pub async fn seed(registry: &Registry, conn: &ConnectionManager, server: &ServerId, users: usize) {
     registry.heartbeat(conn, server, 60_000).await.unwrap();
