@@ -114,6 +114,32 @@ impl Cleaner {
         }
     }
 
+    /// Notes why cleaning `server` failed, in its progress record, so that the worker
+    /// that finally dead-letters the event can say why (best effort).
+    pub async fn record_failure(&self, conn: &ConnectionManager, server: &ServerId, error: &str) {
+        let _: redis::RedisResult<()> = redis::cmd("HSET")
+            .arg(self.keys.server_cleanup(server))
+            .arg("last_error")
+            .arg(error)
+            .query_async(&mut conn.clone())
+            .await;
+    }
+
+    /// The last failure noted for `server`, if any.
+    pub async fn last_failure(
+        &self,
+        conn: &ConnectionManager,
+        server: &ServerId,
+    ) -> Option<String> {
+        redis::cmd("HGET")
+            .arg(self.keys.server_cleanup(server))
+            .arg("last_error")
+            .query_async(&mut conn.clone())
+            .await
+            .ok()
+            .flatten()
+    }
+
     /// One call of the step script.
     pub async fn step(&self, conn: &ConnectionManager, server: &ServerId) -> Result<Step> {
         let layout = match self.layout {

@@ -68,6 +68,12 @@ pub struct Settings {
     pub chunks_in_flight: usize,
     /// How long in-flight cleanups may continue after SIGTERM.
     pub drain_timeout_ms: u64,
+    /// Minimum age of acknowledged entries before they are trimmed.
+    pub retention_ms: u64,
+    /// Idle time after which a consumer with nothing pending is removed.
+    pub consumer_expiry_ms: u64,
+    /// Period of the stream upkeep (trimming, consumer expiry).
+    pub maintenance_interval_ms: u64,
     /// Largest payload accepted.
     pub max_payload_bytes: usize,
     /// Log format on stderr.
@@ -181,6 +187,15 @@ impl Settings {
         }
         if self.reconcile_interval_ms < 100 {
             return bad("reconcile_interval_ms", "must be at least 100");
+        }
+        if self.maintenance_interval_ms < 100 {
+            return bad("maintenance_interval_ms", "must be at least 100");
+        }
+        if self.consumer_expiry_ms < 2 * self.claim_min_idle_ms {
+            return bad(
+                "consumer_expiry_ms",
+                "must be at least twice claim_min_idle_ms, so a worker is never expired between two claim rounds",
+            );
         }
         if self.max_payload_bytes < 64 {
             return bad("max_payload_bytes", "must be at least 64");

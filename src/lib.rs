@@ -22,6 +22,7 @@
 //! - [`stream`]: the events stream and the group (read, ack, claim, dead letters).
 //! - [`cleanup`]: cleaning one dead server, step by step, in Lua.
 //! - [`worker`]: the consumer loop, takeover of idle entries, drain on shutdown.
+//! - [`maintenance`]: stream retention and removal of gone consumers.
 //! - [`registry`]: the connection-server side (register, unregister, heartbeat), used
 //!   by the demo and the tests.
 //! - [`demo`]: the end-to-end demonstration.
@@ -35,6 +36,7 @@ pub mod demo;
 pub mod error;
 pub mod event;
 pub mod keys;
+pub mod maintenance;
 pub mod metrics;
 pub mod redis_server;
 pub mod registry;

@@ -17,6 +17,32 @@ use crate::{
 /// returns entries).
 pub async fn join_group(conn: &ConnectionManager, keys: &Keys, consumer: &str) -> Result<()> {
     ensure_group(conn, keys).await?;
+    register_consumer(conn, keys, consumer).await
+}
+
+static TOUCH_ENTRY: std::sync::LazyLock<redis::Script> =
+    std::sync::LazyLock::new(|| redis::Script::new(include_str!("touch_entry.lua")));
+
+/// Resets the idle time of entry `id` if `consumer` still owns it (see touch_entry.lua).
+/// Returns false when the entry is no longer ours.
+pub async fn touch(
+    conn: &ConnectionManager,
+    keys: &Keys,
+    consumer: &str,
+    id: &str,
+) -> Result<bool> {
+    let mut call = TOUCH_ENTRY.prepare_invoke();
+    call.key(keys.events()).arg(GROUP).arg(consumer).arg(id);
+    let touched: i64 = call.invoke_async(&mut conn.clone()).await?;
+    Ok(touched == 1)
+}
+
+/// Registers `consumer` in the group if it is not there (a no-op otherwise).
+pub async fn register_consumer(
+    conn: &ConnectionManager,
+    keys: &Keys,
+    consumer: &str,
+) -> Result<()> {
     let _: i64 = redis::cmd("XGROUP")
         .arg("CREATECONSUMER")
         .arg(keys.events())

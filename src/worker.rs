@@ -39,6 +39,7 @@ use crate::{
     error::{Error, Result},
     event::{classify, Classified, Entry},
     keys::Keys,
+    maintenance,
     metrics::{outcome, Metrics},
     retry::{policy, retrying},
     stream,
@@ -98,10 +99,19 @@ impl Worker {
             other => other?,
         }
 
+        let stop_upkeep = shutdown.child_token();
+        let upkeep = tokio::spawn(maintenance::run(
+            this.conn.clone(),
+            this.keys.clone(),
+            this.settings.clone(),
+            stop_upkeep.clone(),
+        ));
         let result = this
             .clone()
             .read_loop(&permits, &mut tasks, &shutdown, &abandon)
             .await;
+        stop_upkeep.cancel();
+        let _ = upkeep.await;
         this.drain(tasks, abandon).await;
         info!(consumer = %this.consumer, "worker stopped");
         result
@@ -213,6 +223,11 @@ impl Worker {
         shutdown: &CancellationToken,
         abandon: &CancellationToken,
     ) -> Result<Vec<OwnedSemaphorePermit>> {
+        // Re-registers this worker if consumer expiry removed it while it sat idle.
+        retrying("registering the consumer", shutdown, || {
+            stream::register_consumer(&self.conn, &self.keys, &self.consumer)
+        })
+        .await?;
         let claimed = retrying("taking over idle entries", shutdown, || {
             stream::autoclaim(
                 &self.conn,
@@ -269,14 +284,21 @@ impl Worker {
         _permit: OwnedSemaphorePermit,
         abandon: CancellationToken,
     ) {
+        let classified = classify(&entry, self.settings.max_payload_bytes);
         if let Some(n) = deliveries.filter(|&n| n > self.settings.max_deliveries) {
-            let reason = format!(
+            let mut reason = format!(
                 "delivered {n} times, more than max_deliveries={}",
                 self.settings.max_deliveries
             );
+            if let Classified::ServerDead(_, server) = &classified {
+                if let Some(last) = self.cleaner.last_failure(&self.conn, server).await {
+                    reason.push_str("; last error: ");
+                    reason.push_str(&last);
+                }
+            }
             return self.dead_letter(&entry, &reason, &abandon).await;
         }
-        match classify(&entry, self.settings.max_payload_bytes) {
+        match classified {
             Classified::Foreign(kind) => {
                 debug!(id = %entry.id, %kind, "not ours; acknowledging");
                 if self.ack(&entry.id, &abandon).await {
@@ -292,13 +314,14 @@ impl Worker {
                 async {
                     let started = Instant::now();
                     let metrics = &self.metrics;
-                    let cleaned = self
-                        .cleaner
-                        .clean(&self.conn, &server, &abandon, |step| {
-                            metrics.entries_deleted.inc_by(step.deleted);
-                            metrics.entries_kept.inc_by(step.kept);
-                        })
-                        .await;
+                    let cleaning = self.cleaner.clean(&self.conn, &server, &abandon, |step| {
+                        metrics.entries_deleted.inc_by(step.deleted);
+                        metrics.entries_kept.inc_by(step.kept);
+                    });
+                    let cleaned = tokio::select! {
+                        r = cleaning => r,
+                        never = self.keep_alive(&entry.id) => match never {},
+                    };
                     match cleaned {
                         Ok(report) => {
                             if self.ack(&entry.id, &abandon).await {
@@ -317,11 +340,33 @@ impl Worker {
                         Err(e) => {
                             metrics.events.with_label_values(&[outcome::FAILED]).inc();
                             error!(error = %e, "cleanup failed; the entry stays pending and is retried after claim_min_idle_ms");
+                            self.cleaner.record_failure(&self.conn, &server, &e.to_string()).await;
                         }
                     }
                 }
                 .instrument(span)
                 .await
+            }
+        }
+    }
+
+    /// While a cleanup runs, keeps its entry's idle time well under `claim_min_idle_ms`, so
+    /// a healthy worker on a huge server is never raced by a takeover. Never returns.
+    async fn keep_alive(&self, id: &str) -> std::convert::Infallible {
+        let every = Duration::from_millis(self.settings.claim_min_idle_ms / 3);
+        let mut ours = true;
+        loop {
+            tokio::time::sleep(every).await;
+            if !ours {
+                continue;
+            }
+            match stream::touch(&self.conn, &self.keys, &self.consumer, id).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    ours = false;
+                    warn!(id, "entry taken over by another consumer while still being cleaned; finishing anyway (the cleanup is idempotent)");
+                }
+                Err(e) => debug!(id, error = %e, "keep-alive failed; will try again"),
             }
         }
     }

@@ -1,0 +1,83 @@
+//! Periodic upkeep of the events stream, run by every worker (duplicates are harmless:
+//! each job is one atomic script):
+//! - retention: trims acknowledged entries older than `retention_ms`, never an entry some
+//!   group has not acknowledged or not yet read (plain MAXLEN trimming could drop those);
+//! - consumers: removes group consumers idle for `consumer_expiry_ms` with nothing pending.
+
+use std::{sync::LazyLock, time::Duration};
+
+use redis::aio::ConnectionManager;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::{
+    config::Settings,
+    error::Result,
+    keys::{Keys, GROUP},
+};
+
+static TRIM_STREAM: LazyLock<redis::Script> =
+    LazyLock::new(|| redis::Script::new(include_str!("trim_stream.lua")));
+static EXPIRE_CONSUMERS: LazyLock<redis::Script> =
+    LazyLock::new(|| redis::Script::new(include_str!("expire_consumers.lua")));
+
+/// Trims entries that every group has acknowledged and that are older than `retention`.
+/// Returns how many were removed.
+pub async fn trim_acknowledged(
+    conn: &ConnectionManager,
+    keys: &Keys,
+    retention: Duration,
+) -> Result<u64> {
+    let cutoff = crate::now_ms().saturating_sub(retention.as_millis() as u64);
+    let mut call = TRIM_STREAM.prepare_invoke();
+    call.key(keys.events()).arg(format!("{cutoff}-0"));
+    Ok(call.invoke_async(&mut conn.clone()).await?)
+}
+
+/// Removes consumers idle for at least `idle` with nothing pending; returns their names.
+pub async fn expire_consumers(
+    conn: &ConnectionManager,
+    keys: &Keys,
+    idle: Duration,
+) -> Result<Vec<String>> {
+    let mut call = EXPIRE_CONSUMERS.prepare_invoke();
+    call.key(keys.events())
+        .arg(GROUP)
+        .arg(idle.as_millis() as u64);
+    Ok(call.invoke_async(&mut conn.clone()).await?)
+}
+
+/// Runs both jobs every `maintenance_interval_ms` until `shutdown`.
+pub async fn run(
+    conn: ConnectionManager,
+    keys: Keys,
+    settings: Settings,
+    shutdown: CancellationToken,
+) {
+    let every = Duration::from_millis(settings.maintenance_interval_ms);
+    let retention = Duration::from_millis(settings.retention_ms);
+    let expiry = Duration::from_millis(settings.consumer_expiry_ms);
+    loop {
+        // Jitter, so that many workers started together do not run in step.
+        let jitter = every.mul_f64(rand::random::<f64>() * 0.2);
+        tokio::select! {
+            _ = tokio::time::sleep(every + jitter) => {}
+            _ = shutdown.cancelled() => return,
+        }
+        match trim_acknowledged(&conn, &keys, retention).await {
+            Ok(0) => {}
+            Ok(n) => info!(
+                removed = n,
+                "trimmed acknowledged entries off the events stream"
+            ),
+            Err(e) => warn!(error = %e, "trimming the events stream failed; will try again"),
+        }
+        match expire_consumers(&conn, &keys, expiry).await {
+            Ok(gone) if gone.is_empty() => {}
+            Ok(gone) => {
+                info!(consumers = ?gone, "removed consumers that were gone (nothing pending)")
+            }
+            Err(e) => warn!(error = %e, "removing gone consumers failed; will try again"),
+        }
+    }
+}

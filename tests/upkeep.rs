@@ -1,0 +1,182 @@
+//! Stream upkeep: retention never drops what a group still needs, and consumer expiry
+//! never removes a consumer that holds pending entries.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use registry_janitor::{config::Layout, keys::GROUP, maintenance, stream};
+
+async fn ids(f: &Fixture) -> Vec<String> {
+    read_stream(&f.conn, &f.keys.events())
+        .await
+        .into_iter()
+        .map(|e| e.id)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trimming_keeps_pending_and_unread_entries() {
+    let f = Fixture::new(Layout::Hash);
+    stream::ensure_group(&f.conn, &f.keys).await.unwrap();
+    let stuck = f.kill(&server("gw-stuck#1")).await;
+    stream::read_new(&f.conn, &f.keys, "crashed", 1, 100)
+        .await
+        .unwrap(); // pending forever
+    let mut later = Vec::new();
+    for i in 0..4 {
+        later.push(f.kill(&server(&format!("gw-{i}#1"))).await);
+    }
+    let read = stream::read_new(&f.conn, &f.keys, "done", 2, 100)
+        .await
+        .unwrap();
+    for e in &read {
+        stream::ack(&f.conn, &f.keys, &e.id).await.unwrap();
+    }
+    // Entry 1 is pending, 2 and 3 acknowledged, 4 and 5 not yet delivered: nothing before
+    // the pending one may go, and nothing at all is older than it, so nothing is trimmed.
+    let removed = maintenance::trim_acknowledged(&f.conn, &f.keys, Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(removed, 0);
+    assert_eq!(ids(&f).await.len(), 5);
+
+    // Once the stuck entry is acknowledged, the acknowledged prefix goes; undelivered stay.
+    stream::ack(&f.conn, &f.keys, &stuck).await.unwrap();
+    let removed = maintenance::trim_acknowledged(&f.conn, &f.keys, Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(removed, 3);
+    assert_eq!(ids(&f).await, later[2..].to_vec());
+
+    // Retention: acknowledged entries younger than the retention time are kept.
+    let read = stream::read_new(&f.conn, &f.keys, "done", 10, 100)
+        .await
+        .unwrap();
+    for e in &read {
+        stream::ack(&f.conn, &f.keys, &e.id).await.unwrap();
+    }
+    let removed = maintenance::trim_acknowledged(&f.conn, &f.keys, Duration::from_secs(3600))
+        .await
+        .unwrap();
+    assert_eq!(removed, 0);
+    assert_eq!(ids(&f).await.len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trimming_respects_every_group_on_the_stream() {
+    let f = Fixture::new(Layout::Hash);
+    stream::ensure_group(&f.conn, &f.keys).await.unwrap();
+    // Another system reads the same stream with its own group, and has read nothing yet.
+    let _: () = f
+        .query(
+            redis::cmd("XGROUP")
+                .arg("CREATE")
+                .arg(f.keys.events())
+                .arg("audit")
+                .arg("0"),
+        )
+        .await;
+    for i in 0..3 {
+        f.kill(&server(&format!("gw-{i}#1"))).await;
+    }
+    for e in stream::read_new(&f.conn, &f.keys, "w", 10, 100)
+        .await
+        .unwrap()
+    {
+        stream::ack(&f.conn, &f.keys, &e.id).await.unwrap();
+    }
+    let removed = maintenance::trim_acknowledged(&f.conn, &f.keys, Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(removed, 0, "the audit group has not read them");
+    assert_eq!(ids(&f).await.len(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_trims_what_it_acknowledged() {
+    let f = Fixture::with(Layout::Hash, |s| {
+        s.retention_ms = 0;
+        s.maintenance_interval_ms = 100;
+    });
+    let worker = spawn_worker(&f.settings);
+    for i in 0..5 {
+        f.kill(&server(&format!("gw-{i}#1"))).await;
+    }
+    f.wait_idle().await;
+    wait_until(
+        &f.redis,
+        "the stream trimmed to nothing",
+        Duration::from_secs(10),
+        || async { ids(&f).await.is_empty() },
+    )
+    .await;
+    worker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumers_with_pending_entries_are_never_expired() {
+    let f = Fixture::new(Layout::Hash);
+    stream::ensure_group(&f.conn, &f.keys).await.unwrap();
+    stream::register_consumer(&f.conn, &f.keys, "gone")
+        .await
+        .unwrap();
+    f.kill(&server("gw-1#1")).await;
+    stream::read_new(&f.conn, &f.keys, "gone-with-work", 1, 100)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let removed = maintenance::expire_consumers(&f.conn, &f.keys, Duration::from_millis(200))
+        .await
+        .unwrap();
+    assert_eq!(removed, vec!["gone".to_owned()]);
+    let consumers: Vec<redis::Value> = f
+        .query(
+            redis::cmd("XINFO")
+                .arg("CONSUMERS")
+                .arg(f.keys.events())
+                .arg(GROUP),
+        )
+        .await;
+    assert_eq!(
+        consumers.len(),
+        1,
+        "the consumer holding a pending entry stays"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_live_worker_registers_itself_again() {
+    let f = Fixture::new(Layout::Hash);
+    let worker = spawn_worker(&f.settings);
+    let listed = || async {
+        registry_janitor::status::collect_from(&f.conn, &f.keys)
+            .await
+            .is_ok_and(|s| s.consumers.iter().any(|c| c.name == worker.consumer))
+    };
+    wait_until(
+        &f.redis,
+        "the worker is listed",
+        Duration::from_secs(10),
+        listed,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let removed = maintenance::expire_consumers(&f.conn, &f.keys, Duration::from_millis(200))
+        .await
+        .unwrap();
+    assert_eq!(
+        removed,
+        vec![worker.consumer.clone()],
+        "idle with nothing pending looks gone on Redis 7.0"
+    );
+    wait_until(
+        &f.redis,
+        "the worker is listed again",
+        Duration::from_secs(10),
+        listed,
+    )
+    .await;
+    worker.stop().await;
+}
