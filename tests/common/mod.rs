@@ -291,6 +291,18 @@ pub fn janitor(settings: &Settings) -> Command {
             settings.claim_min_idle_ms.to_string(),
         )
         .env("JANITOR_METRICS_ADDR", &settings.metrics_addr)
+        .env(
+            "JANITOR_MAX_DELIVERIES",
+            settings.max_deliveries.to_string(),
+        )
+        .env(
+            "JANITOR_CHUNKS_IN_FLIGHT",
+            settings.chunks_in_flight.to_string(),
+        )
+        .env(
+            "JANITOR_DRAIN_TIMEOUT_MS",
+            settings.drain_timeout_ms.to_string(),
+        )
         .env("RUST_LOG", "info");
     cmd
 }
@@ -303,8 +315,14 @@ pub struct WorkerProcess {
 
 impl WorkerProcess {
     pub fn start(settings: &Settings) -> Self {
+        Self::start_with(settings, &[])
+    }
+
+    /// A worker with extra `JANITOR_*` variables on top of `settings`.
+    pub fn start_with(settings: &Settings, env: &[(&str, &str)]) -> Self {
         let log = tempfile::NamedTempFile::new().unwrap();
         let child = janitor(settings)
+            .envs(env.iter().copied())
             .arg("worker")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -320,6 +338,10 @@ impl WorkerProcess {
 
     pub fn pid(&self) -> u32 {
         self.child.id()
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
     }
 
     pub fn signal(&self, sig: &str) {

@@ -1,0 +1,361 @@
+//! Crashes, restarts and hostile input, with real processes: workers killed with SIGKILL,
+//! stopped with SIGTERM mid-cleanup, Redis killed and restarted under a running worker,
+//! random entries on the stream. After each, the registry must be exactly right: no
+//! entry left pointing at a dead server, no live entry lost, nothing pending.
+
+mod common;
+
+use std::{
+    sync::{
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+        Arc,
+    },
+    time::{Duration, Instant},
+};
+
+use common::*;
+use rand::Rng;
+use registry_janitor::{
+    config::Layout,
+    event::{classify, Classified, Entry, ServerDead, ServerId},
+    metrics::outcome,
+    status, stream,
+};
+
+/// Users left on `servers` (0..users) that still point at them.
+async fn stale(f: &Fixture, servers: &[ServerId], users: usize) -> usize {
+    let mut n = 0;
+    for s in servers {
+        n += f.still_pointing(s, users).await;
+    }
+    n
+}
+
+async fn users_left(f: &Fixture, servers: &[ServerId]) -> u64 {
+    let mut n = 0;
+    for s in servers {
+        n += f
+            .query::<u64>(redis::cmd("SCARD").arg(f.keys.server_users(s)))
+            .await;
+    }
+    n
+}
+
+/// Several workers clean many servers while the test SIGKILLs them at random moments and
+/// starts new ones, and users reconnect elsewhere at the same time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_sigkilled_workers_and_reconnecting_users() {
+    let f = Fixture::with(Layout::Hash, |s| {
+        s.chunk_size = 5;
+        s.chunks_in_flight = 1;
+        s.claim_min_idle_ms = 1000;
+        s.max_deliveries = 1000; // kills are not the entries' fault here
+    });
+    const USERS: usize = 30_000;
+    let dead: Vec<ServerId> = (0..8).map(|i| server(&format!("gw-{i}#1"))).collect();
+    let live = server("gw-live#2");
+    for s in dead.iter().chain([&live]) {
+        f.seed(s, USERS).await;
+    }
+    let mut workers: Vec<WorkerProcess> =
+        (0..3).map(|_| WorkerProcess::start(&f.settings)).collect();
+    for s in &dead {
+        f.kill(s).await;
+    }
+
+    // Reconnects racing the cleanup and the kills.
+    let moving = Arc::new(AtomicBool::new(true));
+    let moved_count = Arc::new(AtomicUsize::new(0));
+    let mover = {
+        let (registry, conn, dead, live) = (
+            f.registry.clone(),
+            f.conn.clone(),
+            dead.clone(),
+            live.clone(),
+        );
+        let (moving, moved_count) = (moving.clone(), moved_count.clone());
+        tokio::spawn(async move {
+            let mut moved = Vec::new();
+            let mut n = 0;
+            while moving.load(Ordering::Relaxed) && n < USERS {
+                for s in &dead {
+                    registry.register(&conn, &user(s, n), &live).await.unwrap();
+                    moved.push((s.clone(), n));
+                }
+                moved_count.fetch_add(dead.len(), Ordering::Relaxed);
+                n += 11;
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            moved
+        })
+    };
+
+    let mut kills = 0;
+    let mut kills_mid_cleanup = 0;
+    let chaos_until = Instant::now() + Duration::from_secs(8);
+    while Instant::now() < chaos_until {
+        let pause = rand::rng().random_range(150..500);
+        tokio::time::sleep(Duration::from_millis(pause)).await;
+        let victim = rand::rng().random_range(0..workers.len());
+        let left = users_left(&f, &dead).await;
+        workers[victim].signal("KILL");
+        workers.remove(victim);
+        kills += 1;
+        if left > 0 {
+            kills_mid_cleanup += 1;
+        }
+        workers.push(WorkerProcess::start(&f.settings));
+    }
+    moving.store(false, Ordering::Relaxed);
+    let moved = mover.await.unwrap();
+    wait_until(
+        &f.redis,
+        "every event acknowledged after the chaos",
+        Duration::from_secs(120),
+        || async {
+            status::collect_from(&f.conn, &f.keys)
+                .await
+                .is_ok_and(|s| s.is_idle())
+        },
+    )
+    .await;
+
+    assert_eq!(stale(&f, &dead, USERS).await, 0, "stale entries left");
+    assert_eq!(
+        f.still_pointing(&live, USERS).await,
+        USERS,
+        "live server's entries lost"
+    );
+    for (s, n) in &moved {
+        assert_eq!(
+            f.owner(&user(s, *n)).await.as_deref(),
+            Some(live.as_str()),
+            "moved user lost"
+        );
+    }
+    assert_eq!(users_left(&f, &dead).await, 0, "reverse sets gone");
+    assert!(f.dead_letters().await.is_empty(), "nothing dead-lettered");
+    assert!(
+        kills_mid_cleanup >= 5,
+        "only {kills_mid_cleanup} kills landed mid-cleanup"
+    );
+    eprintln!(
+        "chaos: {kills} SIGKILLs ({kills_mid_cleanup} mid-cleanup), {} users on {} dead servers, \
+         {} reconnects during the chaos; stale 0, live lost 0, pending 0",
+        USERS * dead.len(),
+        dead.len(),
+        moved.len()
+    );
+}
+
+/// Redis is killed and restarted on the same port (with its append-only file, as a
+/// persistent registry would be) while a worker process is mid-cleanup. The worker rides
+/// out the outage and finishes; nothing is acknowledged that was not done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_restarted_under_a_running_worker() {
+    let mut f = Fixture::on(
+        redis_with(&["--appendonly", "yes", "--appendfsync", "always"]),
+        Layout::Keys,
+        |s| {
+            s.chunk_size = 50;
+            s.chunks_in_flight = 1;
+        },
+    );
+    const USERS: usize = 60_000;
+    let (dead, live) = (server("gw-dead#1"), server("gw-live#1"));
+    f.seed(&dead, USERS).await;
+    f.seed(&live, 1_000).await;
+    let mut worker = WorkerProcess::start(&f.settings);
+    f.kill(&dead).await;
+    wait_until(
+        &f.redis,
+        "the cleanup under way",
+        Duration::from_secs(30),
+        || async { users_left(&f, std::slice::from_ref(&dead)).await < (USERS as u64 * 9 / 10) },
+    )
+    .await;
+    let left_before = users_left(&f, std::slice::from_ref(&dead)).await;
+    assert!(
+        left_before > 0,
+        "the cleanup finished before Redis was killed; nothing was tested"
+    );
+
+    f.redis.kill();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(worker.is_running(), "the worker must survive the outage");
+    f.redis.restart().unwrap();
+
+    wait_until(
+        &f.redis,
+        "every event acknowledged after the restart",
+        Duration::from_secs(60),
+        || async {
+            status::collect_from(&f.conn, &f.keys)
+                .await
+                .is_ok_and(|s| s.is_idle())
+        },
+    )
+    .await;
+    assert_eq!(
+        f.still_pointing(&dead, USERS).await,
+        0,
+        "stale entries left"
+    );
+    assert_eq!(
+        f.still_pointing(&live, 1_000).await,
+        1_000,
+        "live entries lost"
+    );
+    worker.signal("TERM");
+    let (status, log) = worker.wait(Duration::from_secs(10));
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert!(
+        log.contains("recovered"),
+        "the outage and the recovery are logged:\n{log}"
+    );
+    eprintln!(
+        "redis restart: killed with {left_before} of {USERS} users left; worker recovered, stale 0"
+    );
+}
+
+/// SIGTERM in the middle of a long cleanup: the worker stops within its drain timeout and
+/// exits 0, the entry stays pending, and another worker takes it over and finishes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_mid_cleanup_leaves_the_rest_to_another_worker() {
+    let f = Fixture::with(Layout::Hash, |s| {
+        s.chunk_size = 10;
+        s.chunks_in_flight = 1;
+        s.drain_timeout_ms = 300;
+    });
+    const USERS: usize = 60_000;
+    let dead = server("gw-big#1");
+    f.seed(&dead, USERS).await;
+    let first = WorkerProcess::start(&f.settings);
+    f.kill(&dead).await;
+    wait_until(
+        &f.redis,
+        "the cleanup under way",
+        Duration::from_secs(30),
+        || async { users_left(&f, std::slice::from_ref(&dead)).await < USERS as u64 },
+    )
+    .await;
+    let stopped_at = Instant::now();
+    first.signal("TERM");
+    let (status, log) = first.wait(Duration::from_secs(10));
+    let took = stopped_at.elapsed();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert!(
+        took < Duration::from_secs(3),
+        "stopped in {took:?}, drain timeout 300 ms"
+    );
+    assert!(log.contains("abandoned"), "{log}");
+    let pending = status::collect_from(&f.conn, &f.keys).await.unwrap();
+    assert_eq!(pending.pending, 1, "the unfinished entry stays pending");
+    let left = users_left(&f, std::slice::from_ref(&dead)).await;
+    assert!(
+        left > 0,
+        "the cleanup had finished; nothing was left to take over"
+    );
+
+    let second = WorkerProcess::start(&f.settings);
+    f.wait_idle().await;
+    assert_eq!(f.still_pointing(&dead, USERS).await, 0);
+    second.signal("TERM");
+    let (status, log) = second.wait(Duration::from_secs(10));
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert!(log.contains("taking over an idle entry"), "{log}");
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 12, ..Default::default() })]
+
+    /// Random bytes and random field sets as stream entries: no panic, every bad
+    /// `server.dead` entry dead-lettered, every entry acknowledged, the group keeps moving.
+    #[test]
+    fn random_entries_never_block_the_group(batch in proptest::collection::vec(entry_strategy(), 1..25)) {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(random_entries(batch));
+    }
+}
+
+fn entry_strategy() -> impl proptest::strategy::Strategy<Value = Vec<(Vec<u8>, Vec<u8>)>> {
+    use proptest::prelude::*;
+    let valid = ServerDead::new(&server("gw-prop#1"), Some("r".into()), None).encode();
+    let payload = prop_oneof![
+        Just(valid.clone()),
+        proptest::collection::vec(any::<u8>(), 0..80),
+        (0..valid.len(), any::<u8>()).prop_map(move |(i, b)| {
+            let mut p = valid.clone();
+            p[i] = b;
+            p
+        }),
+    ];
+    let key = prop_oneof![
+        Just(b"type".to_vec()),
+        Just(b"payload".to_vec()),
+        proptest::collection::vec(any::<u8>(), 0..8),
+    ];
+    let kind = prop_oneof![
+        Just(b"server.dead".to_vec()),
+        Just(b"user.left".to_vec()),
+        proptest::collection::vec(any::<u8>(), 0..12),
+    ];
+    proptest::collection::vec((key, kind, payload), 1..4).prop_map(|fields| {
+        fields
+            .into_iter()
+            .map(|(k, kind, payload)| {
+                let v = match k.as_slice() {
+                    b"type" => kind,
+                    _ => payload,
+                };
+                (k, v)
+            })
+            .collect()
+    })
+}
+
+async fn random_entries(batch: Vec<Vec<(Vec<u8>, Vec<u8>)>>) {
+    let f = Fixture::new(Layout::Hash);
+    let mut expected_dead = 0;
+    for fields in &batch {
+        let pairs: Vec<(&[u8], &[u8])> = fields
+            .iter()
+            .map(|(k, v)| (k.as_slice(), v.as_slice()))
+            .collect();
+        let id = stream::publish(&f.conn, &f.keys.events(), &pairs)
+            .await
+            .unwrap();
+        // What Redis stored (a repeated field name is stored twice; the first one counts).
+        let entry = Entry {
+            id,
+            fields: fields.clone(),
+        };
+        if matches!(
+            classify(&entry, f.settings.max_payload_bytes),
+            Classified::Malformed(_)
+        ) {
+            expected_dead += 1;
+        }
+    }
+    let worker = spawn_worker(&f.settings);
+    f.wait_idle().await;
+    let dead_letters = f.dead_letters().await;
+    assert_eq!(dead_letters.len(), expected_dead);
+    assert!(dead_letters
+        .iter()
+        .all(|d| d.field("error").is_some_and(|e| !e.is_empty())));
+    let m = &worker.metrics;
+    let handled = m.events_with(outcome::CLEANED)
+        + m.events_with(outcome::IGNORED)
+        + m.events_with(outcome::DEAD_LETTERED);
+    assert_eq!(
+        handled,
+        batch.len() as u64,
+        "every entry handled exactly once"
+    );
+    worker.stop().await;
+}
