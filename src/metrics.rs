@@ -25,6 +25,8 @@ pub struct Metrics {
     pub entries_kept: IntCounter,
     /// Pending entries taken over from other consumers (XAUTOCLAIM).
     pub entries_claimed: IntCounter,
+    /// Pending entries found deleted from the stream during takeover (dropped, not retried).
+    pub entries_vanished: IntCounter,
     /// Time one cleanup took, from start to acknowledgement.
     pub cleanup_seconds: Histogram,
     /// Time from `detected_at_ms` to acknowledgement: the stale window users feel.
@@ -59,6 +61,11 @@ impl Metrics {
             "Pending stream entries taken over from other consumers",
         )
         .expect("valid metric");
+        let entries_vanished = IntCounter::new(
+            "registry_janitor_pending_vanished_total",
+            "Pending entries that had been deleted from the stream when a takeover found them",
+        )
+        .expect("valid metric");
         let buckets = vec![
             0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
         ];
@@ -88,6 +95,7 @@ impl Metrics {
             Box::new(entries_deleted.clone()),
             Box::new(entries_kept.clone()),
             Box::new(entries_claimed.clone()),
+            Box::new(entries_vanished.clone()),
             Box::new(cleanup_seconds.clone()),
             Box::new(stale_window_seconds.clone()),
             Box::new(redis_errors.clone()),
@@ -109,6 +117,7 @@ impl Metrics {
             entries_deleted,
             entries_kept,
             entries_claimed,
+            entries_vanished,
             cleanup_seconds,
             stale_window_seconds,
             redis_errors,

@@ -71,10 +71,11 @@ pub async fn ensure_group(conn: &ConnectionManager, keys: &Keys) -> Result<()> {
     }
 }
 
-/// True for the error Redis gives when the stream or the group is gone (deleted, or lost
-/// in a restart without persistence): the group must be created again.
+/// True for the errors Redis gives when the stream or the group is gone (deleted, or lost
+/// in a restart without persistence): the group must be created again. `NOGROUP` comes
+/// back to a new read; `UNBLOCKED` to a read that was blocked when the key was deleted.
 pub fn is_no_group(e: &Error) -> bool {
-    matches!(e, Error::Redis(r) if r.code() == Some("NOGROUP"))
+    matches!(e, Error::Redis(r) if matches!(r.code(), Some("NOGROUP" | "UNBLOCKED")))
 }
 
 /// Reads up to `count` new entries for `consumer`, blocking up to `block_ms`.

@@ -241,6 +241,7 @@ impl Worker {
         .await?;
         *cursor = claimed.next_cursor;
         if claimed.deleted > 0 {
+            self.metrics.entries_vanished.inc_by(claimed.deleted as u64);
             warn!(
                 count = claimed.deleted,
                 "pending entries had been deleted from the stream; dropped from the pending list"

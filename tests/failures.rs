@@ -359,3 +359,150 @@ async fn random_entries(batch: Vec<Vec<(Vec<u8>, Vec<u8>)>>) {
     );
     worker.stop().await;
 }
+
+/// A healthy worker on a long cleanup keeps its entry fresh: a second worker, ready to
+/// take over anything idle for a second, never takes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_healthy_cleanup_is_not_taken_over() {
+    let f = Fixture::with(Layout::Hash, |s| {
+        s.chunk_size = 2;
+        s.chunks_in_flight = 1;
+        s.claim_min_idle_ms = 1000;
+    });
+    const USERS: usize = 60_000;
+    let dead = server("gw-huge#1");
+    f.seed(&dead, USERS).await;
+    let first = spawn_worker(&f.settings);
+    f.kill(&dead).await;
+    let started = Instant::now();
+    wait_until(
+        &f.redis,
+        "the first worker has the entry",
+        Duration::from_secs(10),
+        || async {
+            status::collect_from(&f.conn, &f.keys)
+                .await
+                .is_ok_and(|s| s.pending == 1)
+        },
+    )
+    .await;
+    let second = spawn_worker(&f.settings);
+    f.wait_idle().await;
+    let took = started.elapsed();
+    assert_eq!(
+        second.metrics.entries_claimed.get(),
+        0,
+        "the healthy cleanup was taken over"
+    );
+    // Long enough that, without the keep-alive, the entry would have looked idle for
+    // claim_min_idle_ms (1 s) and been claimed at the next round (every 250 ms).
+    assert!(
+        took > Duration::from_secs(2),
+        "the cleanup took {took:?}: too short to prove anything"
+    );
+    assert_eq!(first.metrics.events_with(outcome::CLEANED), 1);
+    assert_eq!(f.still_pointing(&dead, USERS).await, 0);
+    first.stop().await;
+    second.stop().await;
+}
+
+/// A cleanup that keeps failing (the registry key has the wrong type) stays pending, is
+/// retried by takeover, and is dead-lettered after `max_deliveries` with its last error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cleanup_that_keeps_failing_is_dead_lettered_with_its_last_error() {
+    let f = Fixture::with(Layout::Hash, |s| {
+        s.claim_min_idle_ms = 1000;
+        s.max_deliveries = 2;
+    });
+    let dead = server("gw-broken#1");
+    let _: () = f
+        .query(redis::cmd("SADD").arg(f.keys.server_users(&dead)).arg("u1"))
+        .await;
+    let _: () = f
+        .query(redis::cmd("SET").arg(f.keys.registry()).arg("not a hash"))
+        .await;
+    let worker = spawn_worker(&f.settings);
+    f.kill(&dead).await;
+    wait_until(
+        &f.redis,
+        "the entry dead-lettered",
+        Duration::from_secs(30),
+        || async { f.dead_letters().await.len() == 1 },
+    )
+    .await;
+    f.wait_idle().await;
+    let dl = &f.dead_letters().await[0];
+    let error = String::from_utf8_lossy(dl.field("error").unwrap()).into_owned();
+    assert!(error.contains("delivered 3 times"), "{error}");
+    assert!(
+        error.contains("WRONGTYPE"),
+        "the last error is kept: {error}"
+    );
+    assert_eq!(worker.metrics.events_with(outcome::FAILED), 2);
+    worker.stop().await;
+}
+
+/// The stream (and with it the group) vanishes under a running worker, as after a Redis
+/// restart without persistence: the worker creates the group again and carries on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_group_is_created_again_when_the_stream_vanishes() {
+    let f = Fixture::new(Layout::Hash);
+    let worker = spawn_worker(&f.settings);
+    let first = server("gw-1#1");
+    f.seed(&first, 100).await;
+    f.kill(&first).await;
+    f.wait_idle().await;
+    let _: () = f.query(redis::cmd("DEL").arg(f.keys.events())).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let second = server("gw-2#1");
+    f.seed(&second, 100).await;
+    f.kill(&second).await;
+    f.wait_idle().await;
+    assert_eq!(f.still_pointing(&second, 100).await, 0);
+    assert_eq!(worker.metrics.events_with(outcome::CLEANED), 2);
+    worker.stop().await;
+}
+
+/// SCRIPT FLUSH in the middle of cleanups (as after a restart or failover): the scripts
+/// are loaded again and the work finishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scripts_are_loaded_again_after_script_flush() {
+    let f = Fixture::with(Layout::Hash, |s| {
+        s.chunk_size = 20;
+        s.chunks_in_flight = 1;
+    });
+    const USERS: usize = 20_000;
+    let dead = server("gw-flush#1");
+    f.seed(&dead, USERS).await;
+    let worker = spawn_worker(&f.settings);
+    f.kill(&dead).await;
+    for _ in 0..5 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let _: () = f.query(&redis::cmd("SCRIPT").arg("FLUSH").to_owned()).await;
+    }
+    f.wait_idle().await;
+    assert_eq!(f.still_pointing(&dead, USERS).await, 0);
+    assert_eq!(worker.metrics.events_with(outcome::CLEANED), 1);
+    assert_eq!(worker.metrics.events_with(outcome::FAILED), 0);
+    worker.stop().await;
+}
+
+/// A pending entry deleted from the stream (XDEL) is dropped and counted by the takeover,
+/// not retried forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pending_entry_deleted_from_the_stream_is_counted_and_dropped() {
+    let f = Fixture::new(Layout::Hash);
+    stream::ensure_group(&f.conn, &f.keys).await.unwrap();
+    let id = f.kill(&server("gw-gone#1")).await;
+    stream::read_new(&f.conn, &f.keys, "crashed", 1, 100)
+        .await
+        .unwrap();
+    let _: () = f
+        .query(redis::cmd("XDEL").arg(f.keys.events()).arg(&id))
+        .await;
+    let worker = spawn_worker(&f.settings);
+    f.wait_idle().await;
+    assert_eq!(worker.metrics.entries_vanished.get(), 1);
+    assert_eq!(worker.metrics.entries_claimed.get(), 0);
+    worker.stop().await;
+}
