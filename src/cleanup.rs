@@ -24,7 +24,7 @@ use crate::{
     error::{Error, Result},
     event::ServerId,
     keys::Keys,
-    retry::retrying,
+    retry::retrying_counted,
 };
 
 static CLEAN_STEP: LazyLock<redis::Script> =
@@ -68,6 +68,8 @@ pub struct Cleaner {
     layout: Layout,
     chunk_size: usize,
     chunks_in_flight: usize,
+    /// Counts failed step attempts (Redis errors), when set.
+    errors: Option<prometheus::IntCounter>,
 }
 
 impl Cleaner {
@@ -77,7 +79,14 @@ impl Cleaner {
             layout,
             chunk_size,
             chunks_in_flight: chunks_in_flight.max(1),
+            errors: None,
         }
+    }
+
+    /// Counts every failed step attempt in `errors`.
+    pub fn counting_errors(mut self, errors: prometheus::IntCounter) -> Self {
+        self.errors = Some(errors);
+        self
     }
 
     /// Cleans `server` until its reverse set is gone. Retries through Redis outages.
@@ -90,7 +99,11 @@ impl Cleaner {
         stop: &CancellationToken,
         mut on_step: impl FnMut(&Step),
     ) -> Result<Report> {
-        let step = || retrying("cleanup step", stop, || self.step(conn, server));
+        let step = || {
+            retrying_counted("cleanup step", stop, self.errors.as_ref(), || {
+                self.step(conn, server)
+            })
+        };
         let mut report = Report::default();
         let mut in_flight: FuturesUnordered<_> =
             (0..self.chunks_in_flight).map(|_| step()).collect();

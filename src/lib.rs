@@ -27,6 +27,7 @@
 //!   by the demo and the tests.
 //! - [`demo`]: the end-to-end demonstration.
 //! - [`redis_server`]: starts a private `redis-server` (demo, benchmark, tests).
+//! - [`http`]: the /metrics, /healthz and /readyz listener.
 //! - [`conn`], [`retry`], [`metrics`], [`error`]: plumbing.
 
 pub mod cleanup;
@@ -35,6 +36,7 @@ pub mod conn;
 pub mod demo;
 pub mod error;
 pub mod event;
+pub mod http;
 pub mod keys;
 pub mod maintenance;
 pub mod metrics;

@@ -9,6 +9,7 @@ use registry_janitor::{
     config::{LogFormat, Overrides, Settings},
     conn, demo,
     event::{ServerDead, ServerId},
+    http,
     keys::Keys,
     metrics::Metrics,
     status, stream,
@@ -152,7 +153,16 @@ async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
     match command {
         Command::Worker => {
             let shutdown = shutdown_on_signals();
-            let worker = Worker::new(&settings, Metrics::new())?;
+            let metrics = Metrics::new();
+            let worker = Worker::new(&settings, metrics.clone())?;
+            serve_metrics(
+                &settings,
+                metrics,
+                worker.health(),
+                worker.readiness(),
+                &shutdown,
+            )
+            .await;
             worker.run(shutdown).await?;
         }
         Command::Emit {
@@ -202,6 +212,35 @@ async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
         Command::Bench => anyhow::bail!("`bench` is not built yet (see README, Status)"),
     }
     Ok(())
+}
+
+/// Starts the /metrics, /healthz, /readyz listener unless `metrics_addr` is `off`. A port
+/// already in use is reported but does not stop the worker: cleaning matters more than
+/// being scraped, and the failing readiness probe makes it visible in Kubernetes.
+async fn serve_metrics(
+    settings: &Settings,
+    metrics: Metrics,
+    health: std::sync::Arc<http::Health>,
+    ready: http::Readiness,
+    shutdown: &CancellationToken,
+) {
+    let Ok(Some(addr)) = settings.metrics_listen_addr() else {
+        return;
+    };
+    match http::bind(addr).await {
+        Ok(listener) => {
+            tokio::spawn(http::serve(
+                listener,
+                metrics,
+                health,
+                ready,
+                shutdown.clone(),
+            ));
+        }
+        Err(e) => {
+            tracing::error!(%addr, error = %e, "cannot serve metrics_addr; running without /metrics, /healthz and /readyz")
+        }
+    }
 }
 
 /// A token cancelled on the first SIGTERM (Kubernetes) or SIGINT (Ctrl-C).

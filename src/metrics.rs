@@ -2,7 +2,7 @@
 //! can run several workers in one process and read each one's numbers).
 
 use prometheus::{
-    Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts, Registry, TextEncoder,
+    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
 };
 
 /// Outcome label values of `registry_janitor_events_total`.
@@ -33,6 +33,12 @@ pub struct Metrics {
     pub stale_window_seconds: Histogram,
     /// Redis commands that failed (each attempt).
     pub redis_errors: IntCounter,
+    /// Events not yet delivered to any worker (the group's lag), sampled.
+    pub stream_lag: IntGauge,
+    /// Events delivered but not acknowledged, sampled.
+    pub stream_pending: IntGauge,
+    /// Entries in the dead-letter stream, sampled.
+    pub dead_letters: IntGauge,
 }
 
 impl Metrics {
@@ -90,8 +96,24 @@ impl Metrics {
             "Redis commands that failed, each attempt counted",
         )
         .expect("valid metric");
+        let gauge = |name: &str, help: &str| IntGauge::new(name, help).expect("valid metric");
+        let stream_lag = gauge(
+            "registry_janitor_stream_lag",
+            "Events in registry:events not yet delivered to any worker (sampled)",
+        );
+        let stream_pending = gauge(
+            "registry_janitor_stream_pending",
+            "Events delivered to a worker but not acknowledged (sampled)",
+        );
+        let dead_letters = gauge(
+            "registry_janitor_dead_letters",
+            "Entries in the dead-letter stream (sampled)",
+        );
         for c in [
-            Box::new(events.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(stream_lag.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(stream_pending.clone()),
+            Box::new(dead_letters.clone()),
+            Box::new(events.clone()),
             Box::new(entries_deleted.clone()),
             Box::new(entries_kept.clone()),
             Box::new(entries_claimed.clone()),
@@ -121,6 +143,9 @@ impl Metrics {
             cleanup_seconds,
             stale_window_seconds,
             redis_errors,
+            stream_lag,
+            stream_pending,
+            dead_letters,
         }
     }
 

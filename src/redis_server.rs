@@ -138,7 +138,8 @@ impl RedisServer {
             let pong = client
                 .get_connection_with_timeout(Duration::from_millis(200))
                 .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c));
-            if pong.is_ok() {
+            // A server started with --requirepass answers, with NOAUTH: it is up.
+            if pong.is_ok() || pong.as_ref().is_err_and(|e| e.code() == Some("NOAUTH")) {
                 return Ok(());
             }
             if Instant::now() > deadline {

@@ -31,12 +31,29 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T>>,
 {
+    retrying_counted(what, token, None, op).await
+}
+
+/// [`retrying`], counting every failed attempt in `errors`.
+pub async fn retrying_counted<T, F, Fut>(
+    what: &str,
+    token: &CancellationToken,
+    errors: Option<&prometheus::IntCounter>,
+    op: F,
+) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T>>,
+{
     let failing = AtomicBool::new(false);
     let attempt = op
         .retry(policy())
         .sleep(tokio::time::sleep)
         .when(Error::is_retryable)
         .notify(|e, wait| {
+            if let Some(errors) = errors {
+                errors.inc();
+            }
             if !failing.swap(true, Ordering::Relaxed) {
                 tracing::warn!(error = %e, retry_in = ?wait, "{what} failing, retrying with backoff");
             }

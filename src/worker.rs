@@ -38,10 +38,11 @@ use crate::{
     conn,
     error::{Error, Result},
     event::{classify, Classified, Entry},
+    http::{Health, Readiness},
     keys::Keys,
     maintenance,
     metrics::{outcome, Metrics},
-    retry::{policy, retrying},
+    retry::{policy, retrying, retrying_counted},
     stream,
 };
 
@@ -54,6 +55,8 @@ pub struct Worker {
     client: redis::Client,
     conn: ConnectionManager,
     metrics: Metrics,
+    /// Beaten by the read loop; read by `/healthz`.
+    health: Arc<Health>,
 }
 
 impl Worker {
@@ -67,7 +70,9 @@ impl Worker {
                 settings.layout,
                 settings.chunk_size,
                 settings.chunks_in_flight,
-            ),
+            )
+            .counting_errors(metrics.redis_errors.clone()),
+            health: Health::new(Duration::from_secs(60)),
             keys,
             consumer: settings.consumer_name(),
             conn: conn::shared(&client)?,
@@ -81,6 +86,20 @@ impl Worker {
         &self.consumer
     }
 
+    /// Liveness of this worker's main loop, for `/healthz`.
+    pub fn health(&self) -> Arc<Health> {
+        self.health.clone()
+    }
+
+    /// Readiness of this worker (Redis answers, the group exists), for `/readyz`.
+    pub fn readiness(&self) -> Readiness {
+        Readiness {
+            conn: self.conn.clone(),
+            keys: self.keys.clone(),
+            needs_group: true,
+        }
+    }
+
     /// Runs until `shutdown` fires, then drains. Returns an error only for a failure that
     /// retrying cannot fix (for example a permission error on the stream).
     pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
@@ -88,7 +107,12 @@ impl Worker {
         let abandon = CancellationToken::new();
         let permits = Arc::new(Semaphore::new(this.settings.concurrency));
         let mut tasks = JoinSet::new();
-        info!(consumer = %this.consumer, stream = %this.keys.events(), "worker starting");
+        info!(
+            consumer = %this.consumer,
+            stream = %this.keys.events(),
+            redis = %conn::redact_url(&this.settings.redis_url),
+            "worker starting"
+        );
 
         match retrying("creating the consumer group", &shutdown, || {
             stream::join_group(&this.conn, &this.keys, &this.consumer)
@@ -106,12 +130,14 @@ impl Worker {
             this.settings.clone(),
             stop_upkeep.clone(),
         ));
+        let sampler = tokio::spawn(this.clone().sample_gauges(stop_upkeep.clone()));
         let result = this
             .clone()
             .read_loop(&permits, &mut tasks, &shutdown, &abandon)
             .await;
         stop_upkeep.cancel();
         let _ = upkeep.await;
+        let _ = sampler.await;
         this.drain(tasks, abandon).await;
         info!(consumer = %this.consumer, "worker stopped");
         result
@@ -135,11 +161,18 @@ impl Worker {
         let mut last_claim = Instant::now();
         let mut claim_cursor = "0-0".to_owned();
         loop {
+            self.health.beat();
             while tasks.try_join_next().is_some() {}
-            let mut held = tokio::select! {
-                p = permits.clone().acquire_owned() => vec![p.expect("semaphore never closed")],
-                _ = shutdown.cancelled() => return Ok(()),
+            // Waiting for a free permit still counts as turning (every permit may be busy
+            // with a long cleanup).
+            let first = loop {
+                tokio::select! {
+                    p = permits.clone().acquire_owned() => break p.expect("semaphore never closed"),
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => self.health.beat(),
+                    _ = shutdown.cancelled() => return Ok(()),
+                }
             };
+            let mut held = vec![first];
             while let Ok(p) = permits.clone().try_acquire_owned() {
                 held.push(p);
             }
@@ -224,20 +257,28 @@ impl Worker {
         abandon: &CancellationToken,
     ) -> Result<Vec<OwnedSemaphorePermit>> {
         // Re-registers this worker if consumer expiry removed it while it sat idle.
-        retrying("registering the consumer", shutdown, || {
-            stream::register_consumer(&self.conn, &self.keys, &self.consumer)
-        })
+        retrying_counted(
+            "registering the consumer",
+            shutdown,
+            Some(&self.metrics.redis_errors),
+            || stream::register_consumer(&self.conn, &self.keys, &self.consumer),
+        )
         .await?;
-        let claimed = retrying("taking over idle entries", shutdown, || {
-            stream::autoclaim(
-                &self.conn,
-                &self.keys,
-                &self.consumer,
-                self.settings.claim_min_idle_ms,
-                cursor,
-                held.len(),
-            )
-        })
+        let claimed = retrying_counted(
+            "taking over idle entries",
+            shutdown,
+            Some(&self.metrics.redis_errors),
+            || {
+                stream::autoclaim(
+                    &self.conn,
+                    &self.keys,
+                    &self.consumer,
+                    self.settings.claim_min_idle_ms,
+                    cursor,
+                    held.len(),
+                )
+            },
+        )
         .await?;
         *cursor = claimed.next_cursor;
         if claimed.deleted > 0 {
@@ -351,6 +392,24 @@ impl Worker {
         }
     }
 
+    /// Samples the stream's lag, pending entries and dead letters into gauges.
+    async fn sample_gauges(self: Arc<Self>, stop: CancellationToken) {
+        loop {
+            match crate::status::collect_from(&self.conn, &self.keys).await {
+                Ok(s) => {
+                    self.metrics.stream_lag.set(s.lag.unwrap_or(0) as i64);
+                    self.metrics.stream_pending.set(s.pending as i64);
+                    self.metrics.dead_letters.set(s.dead_letters as i64);
+                }
+                Err(e) => debug!(error = %e, "sampling stream gauges failed"),
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_secs(5)) => {}
+                _ = stop.cancelled() => return,
+            }
+        }
+    }
+
     /// While a cleanup runs, keeps its entry's idle time well under `claim_min_idle_ms`, so
     /// a healthy worker on a huge server is never raced by a takeover. Never returns.
     async fn keep_alive(&self, id: &str) -> std::convert::Infallible {
@@ -374,9 +433,12 @@ impl Worker {
 
     /// Acknowledges, retrying through outages; false if abandoned first.
     async fn ack(&self, id: &str, abandon: &CancellationToken) -> bool {
-        match retrying("acknowledging", abandon, || {
-            stream::ack(&self.conn, &self.keys, id)
-        })
+        match retrying_counted(
+            "acknowledging",
+            abandon,
+            Some(&self.metrics.redis_errors),
+            || stream::ack(&self.conn, &self.keys, id),
+        )
         .await
         {
             Ok(_) => true,
@@ -388,9 +450,12 @@ impl Worker {
     }
 
     async fn dead_letter(&self, entry: &Entry, reason: &str, abandon: &CancellationToken) {
-        let done = retrying("dead-lettering", abandon, || {
-            stream::dead_letter(&self.conn, &self.keys, entry, reason)
-        })
+        let done = retrying_counted(
+            "dead-lettering",
+            abandon,
+            Some(&self.metrics.redis_errors),
+            || stream::dead_letter(&self.conn, &self.keys, entry, reason),
+        )
         .await;
         match done {
             Ok(()) => {
