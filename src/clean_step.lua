@@ -18,10 +18,8 @@
 -- Returns {done (0/1), members scanned, entries deleted, entries kept (moved elsewhere)}
 
 local users_key, progress_key, servers_key, registry_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local server, count, layout, user_prefix = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local hash_layout = layout == 'hash'
--- unpack() is bounded by Lua's C stack (8000 slots): lists go to Redis in batches.
-local BATCH = 1000
+local server, count, user_prefix = ARGV[1], ARGV[2], ARGV[4]
+local hash_layout = ARGV[3] == 'hash'
 
 local cursor = redis.call('HGET', progress_key, 'cursor') or '0'
 local scan = redis.call('SSCAN', users_key, cursor, 'COUNT', count)
@@ -30,31 +28,17 @@ local next_cursor, members = scan[1], scan[2]
 local deleted, kept = 0, 0
 for first = 1, #members, BATCH do
   local last = math.min(first + BATCH - 1, #members)
-  local owners
-  if hash_layout then
-    owners = redis.call('HMGET', registry_key, unpack(members, first, last))
-  else
-    local forward = {}
-    for i = first, last do forward[#forward + 1] = user_prefix .. members[i] end
-    owners = redis.call('MGET', unpack(forward))
-  end
+  local owners = owners_of(members, first, last, hash_layout, registry_key, user_prefix)
   local doomed = {}
   for i = 1, #owners do
     local owner = owners[i]
     if owner == server then
-      local user = members[first + i - 1]
-      doomed[#doomed + 1] = hash_layout and user or (user_prefix .. user)
+      doomed[#doomed + 1] = members[first + i - 1]
     elseif owner then
       kept = kept + 1
     end
   end
-  if #doomed > 0 then
-    if hash_layout then
-      deleted = deleted + redis.call('HDEL', registry_key, unpack(doomed))
-    else
-      deleted = deleted + redis.call('DEL', unpack(doomed))
-    end
-  end
+  deleted = deleted + delete_forward(doomed, hash_layout, registry_key, user_prefix)
   redis.call('SREM', users_key, unpack(members, first, last))
 end
 

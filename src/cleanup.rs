@@ -27,8 +27,12 @@ use crate::{
     retry::retrying_counted,
 };
 
-static CLEAN_STEP: LazyLock<redis::Script> =
-    LazyLock::new(|| redis::Script::new(include_str!("clean_step.lua")));
+static CLEAN_STEP: LazyLock<redis::Script> = LazyLock::new(|| {
+    redis::Script::new(concat!(
+        include_str!("owners.lua"),
+        include_str!("clean_step.lua")
+    ))
+});
 
 /// What one step did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -62,6 +62,12 @@ pub struct Settings {
     pub heartbeat_grace_ms: u64,
     /// Time between reconciliation passes.
     pub reconcile_interval_ms: u64,
+    /// May the reconciler CONFIG SET notify-keyspace-events itself?
+    pub keyspace_events_auto: bool,
+    /// Drift sweep entries per step.
+    pub sweep_count: usize,
+    /// Pause between two drift sweep steps.
+    pub sweep_pause_ms: u64,
     /// XREADGROUP BLOCK time; also the longest a shutdown waits for a read.
     pub block_ms: u64,
     /// Chunks of one cleanup in flight at once.
@@ -187,6 +193,15 @@ impl Settings {
         }
         if self.reconcile_interval_ms < 100 {
             return bad("reconcile_interval_ms", "must be at least 100");
+        }
+        if !(1..=10_000).contains(&self.sweep_count) {
+            return bad(
+                "sweep_count",
+                format!("must be 1 to 10000, got {}", self.sweep_count),
+            );
+        }
+        if self.heartbeat_grace_ms == 0 {
+            return bad("heartbeat_grace_ms", "must be at least 1");
         }
         if self.maintenance_interval_ms < 100 {
             return bad("maintenance_interval_ms", "must be at least 100");

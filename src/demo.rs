@@ -361,7 +361,7 @@ async fn verify(
 /// Deletes every key under `prefix` (SCAN + UNLINK, in batches).
 pub async fn delete_prefixed(conn: &ConnectionManager, prefix: &str) -> Result<()> {
     let mut c = conn.clone();
-    let pattern = format!("{}*", glob_escape(prefix));
+    let pattern = format!("{}*", crate::reconcile::glob_escape(prefix));
     let mut cursor: u64 = 0;
     loop {
         let (next, found): (u64, Vec<Vec<u8>>) = redis::cmd("SCAN")
@@ -380,17 +380,6 @@ pub async fn delete_prefixed(conn: &ConnectionManager, prefix: &str) -> Result<(
         }
         cursor = next;
     }
-}
-
-fn glob_escape(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out
 }
 
 fn bar(len: u64, what: &'static str) -> ProgressBar {

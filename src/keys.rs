@@ -13,10 +13,14 @@
 //! | `registry:events`          | Stream | monitoring, the reconciler              |
 //! | `registry:events:dead`     | Stream | the workers (dead letters)              |
 //! | `server:{<server>}:cleanup`| Hash   | the workers: the cleanup's scan cursor  |
+//! | `server:{<server>}:reported`| String | the reconciler: "event published", TTL |
+//! | `janitor:sweep`            | Hash   | the reconciler: the drift sweep's cursor|
 //!
-//! The last key is the janitor's own: it records how far the walk of a dead server's
-//! reverse set has gone, so that a cleanup taken over after a crash resumes there. It
-//! shares the server's hash tag, so it lives in the same cluster slot as the reverse set.
+//! The last three keys are the janitor's own. `cleanup` records how far the walk of a
+//! dead server's reverse set has gone, so that a cleanup taken over after a crash resumes
+//! there; `reported` keeps several reconcilers from publishing the same death more than
+//! once per window; `janitor:sweep` lets a restarted reconciler resume its sweep. The
+//! per-server ones share the server's hash tag (same cluster slot as the reverse set).
 
 use crate::event::ServerId;
 
@@ -73,6 +77,24 @@ impl Keys {
         self.server_key(server, "cleanup")
     }
 
+    /// Set (with a TTL) when a reconciler has published this server's death.
+    pub fn server_reported(&self, server: &ServerId) -> String {
+        self.server_key(server, "reported")
+    }
+
+    /// The reconciler's drift-sweep cursor.
+    pub fn sweep(&self) -> String {
+        format!("{}janitor:sweep", self.prefix)
+    }
+
+    /// The liveness-key name pattern of every server, for expiry notifications:
+    /// returns the server id if `key` is a liveness key under this prefix.
+    pub fn server_of_alive_key<'k>(&self, key: &'k str) -> Option<&'k str> {
+        key.strip_prefix(&self.prefix)?
+            .strip_prefix("server:{")?
+            .strip_suffix("}:alive")
+    }
+
     /// The Sorted Set of known servers, scored by last heartbeat (unix ms).
     pub fn servers(&self) -> String {
         format!("{}servers", self.prefix)
@@ -109,5 +131,8 @@ mod tests {
         assert_eq!(k.events(), "t:registry:events");
         assert_eq!(k.dead_letters(), "t:registry:events:dead");
         assert_eq!(Keys::new("").registry(), "registry");
+        assert_eq!(k.server_of_alive_key("t:server:{gw-1}:alive"), Some("gw-1"));
+        assert_eq!(k.server_of_alive_key("server:{gw-1}:alive"), None);
+        assert_eq!(k.server_of_alive_key("t:server:{gw-1}:users"), None);
     }
 }

@@ -23,6 +23,7 @@
 //! - [`cleanup`]: cleaning one dead server, step by step, in Lua.
 //! - [`worker`]: the consumer loop, takeover of idle entries, drain on shutdown.
 //! - [`maintenance`]: stream retention and removal of gone consumers.
+//! - [`reconcile`]: the reconciler (dead servers from heartbeats, expiry hints, drift).
 //! - [`registry`]: the connection-server side (register, unregister, heartbeat), used
 //!   by the demo and the tests.
 //! - [`demo`]: the end-to-end demonstration.
@@ -40,6 +41,7 @@ pub mod http;
 pub mod keys;
 pub mod maintenance;
 pub mod metrics;
+pub mod reconcile;
 pub mod redis_server;
 pub mod registry;
 pub mod retry;

@@ -12,6 +12,7 @@ use registry_janitor::{
     http,
     keys::Keys,
     metrics::Metrics,
+    reconcile::Reconciler,
     status, stream,
     worker::Worker,
 };
@@ -59,7 +60,7 @@ struct Cli {
 enum Command {
     /// Join the consumer group and clean dead servers until SIGTERM or SIGINT.
     Worker,
-    /// The reconciliation worker (not built yet).
+    /// The reconciliation worker: heartbeat checks, expiry hints, drift repair.
     Reconcile {
         /// Run one pass and exit.
         #[arg(long)]
@@ -203,8 +204,24 @@ async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
                 );
             }
         }
-        Command::Reconcile { .. } => {
-            anyhow::bail!("`reconcile` is not built yet (see README, Status)")
+        Command::Reconcile { once } => {
+            let metrics = Metrics::new();
+            let reconciler = Reconciler::new(&settings, metrics.clone())?;
+            if once {
+                let report = reconciler.run_once().await?;
+                println!("{report}");
+            } else {
+                let shutdown = shutdown_on_signals();
+                serve_metrics(
+                    &settings,
+                    metrics,
+                    reconciler.health(),
+                    reconciler.readiness(),
+                    &shutdown,
+                )
+                .await;
+                reconciler.run(shutdown).await?;
+            }
         }
         Command::DeadLetters { .. } => {
             anyhow::bail!("`dead-letters` is not built yet (see README, Status)")

@@ -33,6 +33,16 @@ pub struct Metrics {
     pub stale_window_seconds: Histogram,
     /// Redis commands that failed (each attempt).
     pub redis_errors: IntCounter,
+    /// Reconciler passes over `servers` completed.
+    pub reconcile_passes: IntCounter,
+    /// `server.dead` events the reconciler published.
+    pub reconcile_dead_found: IntCounter,
+    /// Forward entries of dead owners removed by the drift sweep.
+    pub drift_entries_removed: IntCounter,
+    /// Reverse-set members removed because their user had moved.
+    pub drift_members_removed: IntCounter,
+    /// Liveness-key expiry notifications received.
+    pub expiry_hints: IntCounter,
     /// Events not yet delivered to any worker (the group's lag), sampled.
     pub stream_lag: IntGauge,
     /// Events delivered but not acknowledged, sampled.
@@ -109,8 +119,34 @@ impl Metrics {
             "registry_janitor_dead_letters",
             "Entries in the dead-letter stream (sampled)",
         );
+        let counter = |name: &str, help: &str| IntCounter::new(name, help).expect("valid metric");
+        let reconcile_passes = counter(
+            "registry_janitor_reconcile_passes_total",
+            "Reconciler passes over the known servers",
+        );
+        let reconcile_dead_found = counter(
+            "registry_janitor_reconcile_dead_servers_total",
+            "server.dead events published by the reconciler",
+        );
+        let drift_entries_removed = counter(
+            "registry_janitor_drift_entries_removed_total",
+            "Forward entries of dead owners removed by the drift sweep",
+        );
+        let drift_members_removed = counter(
+            "registry_janitor_drift_members_removed_total",
+            "Reverse-index members removed by the drift sweep because the user had moved",
+        );
+        let expiry_hints = counter(
+            "registry_janitor_expiry_hints_total",
+            "Keyspace expiry notifications of liveness keys received",
+        );
         for c in [
-            Box::new(stream_lag.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(reconcile_passes.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(reconcile_dead_found.clone()),
+            Box::new(drift_entries_removed.clone()),
+            Box::new(drift_members_removed.clone()),
+            Box::new(expiry_hints.clone()),
+            Box::new(stream_lag.clone()),
             Box::new(stream_pending.clone()),
             Box::new(dead_letters.clone()),
             Box::new(events.clone()),
@@ -143,6 +179,11 @@ impl Metrics {
             cleanup_seconds,
             stale_window_seconds,
             redis_errors,
+            reconcile_passes,
+            reconcile_dead_found,
+            drift_entries_removed,
+            drift_members_removed,
+            expiry_hints,
             stream_lag,
             stream_pending,
             dead_letters,

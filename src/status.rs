@@ -29,6 +29,8 @@ pub struct Status {
     pub dead_letters: u64,
     /// Servers in `servers` (live, or dead but not yet cleaned).
     pub servers_known: u64,
+    /// Of those, dead now: heartbeat older than `heartbeat_grace_ms` and no liveness key.
+    pub servers_dead: Option<u64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -48,7 +50,11 @@ impl Status {
 /// Collects the status from the Redis of `settings`.
 pub async fn collect(settings: &Settings) -> Result<Status> {
     let conn = conn::shared(&conn::client(&settings.redis_url)?)?;
-    collect_from(&conn, &Keys::new(settings.key_prefix.clone())).await
+    let keys = Keys::new(settings.key_prefix.clone());
+    let mut status = collect_from(&conn, &keys).await?;
+    status.servers_dead =
+        Some(crate::reconcile::count_dead(&conn, &keys, settings.heartbeat_grace_ms).await?);
+    Ok(status)
 }
 
 pub async fn collect_from(conn: &ConnectionManager, keys: &Keys) -> Result<Status> {
@@ -68,6 +74,7 @@ pub async fn collect_from(conn: &ConnectionManager, keys: &Keys) -> Result<Statu
         consumers: Vec::new(),
         dead_letters,
         servers_known,
+        servers_dead: None,
     };
     if stream_length == 0 && !exists(&mut c, &keys.events()).await? {
         return Ok(status);
@@ -149,6 +156,10 @@ impl fmt::Display for Status {
             )?;
         }
         writeln!(f, "dead letters    {}", self.dead_letters)?;
-        writeln!(f, "servers known   {}", self.servers_known)
+        write!(f, "servers known   {}", self.servers_known)?;
+        match self.servers_dead {
+            Some(dead) => writeln!(f, " ({dead} dead, not yet cleaned)"),
+            None => writeln!(f),
+        }
     }
 }

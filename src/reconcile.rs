@@ -1,0 +1,615 @@
+//! The reconciliation worker: finds dead servers and drifted entries whatever events
+//! were missed (monitoring down, a deploy, a failover that lost the stream's tail).
+//!
+//! Three loops, all safe to run in several replicas at once (each check-and-act is one
+//! atomic script; duplicate events cost the workers a no-op):
+//! - the **pass**, every `reconcile_interval_ms`: servers in `servers` whose heartbeat is
+//!   older than `heartbeat_grace_ms` and whose liveness key is gone get a `server.dead`
+//!   event (`source` = `reconciler`); the workers clean them. `report_dead.lua` re-checks
+//!   both conditions at the instant it publishes, so a live server is never declared dead;
+//! - the **expiry hint**: keyspace notifications of liveness keys (`__keyevent@<db>__:
+//!   expired`, on a connection of its own) trigger the same check at once. Pub/Sub loses
+//!   messages and notifications may be off: the hint only makes cleanup faster;
+//! - the **drift sweep**: HSCAN of `registry` (or SCAN of `user:*`) in small paced steps
+//!   from a stored cursor; entries whose owner is dead are deleted (`sweep_forward.lua`),
+//!   then the reverse sets of live servers lose members whose user moved elsewhere
+//!   (`sweep_reverse.lua`).
+
+use std::{sync::Arc, sync::LazyLock, time::Duration};
+
+use futures_util::StreamExt;
+use redis::aio::ConnectionManager;
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::{
+    config::{Layout, Settings},
+    conn,
+    error::{Error, Result},
+    event::{ServerDead, ServerId},
+    http::{Health, Readiness},
+    keys::Keys,
+    metrics::Metrics,
+    retry::{policy, retrying_counted},
+};
+
+static REPORT_DEAD: LazyLock<redis::Script> =
+    LazyLock::new(|| redis::Script::new(include_str!("report_dead.lua")));
+static SWEEP_FORWARD: LazyLock<redis::Script> = LazyLock::new(|| {
+    redis::Script::new(concat!(
+        include_str!("owners.lua"),
+        include_str!("sweep_forward.lua")
+    ))
+});
+static SWEEP_REVERSE: LazyLock<redis::Script> = LazyLock::new(|| {
+    redis::Script::new(concat!(
+        include_str!("owners.lua"),
+        include_str!("sweep_reverse.lua")
+    ))
+});
+
+/// Servers read from `servers` per round trip.
+const PAGE: usize = 1000;
+
+/// What [`Reconciler::check`] found about one server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Dead: an event was published (its entry id).
+    Published(String),
+    /// Its liveness key exists.
+    Alive,
+    /// No liveness key, but its last heartbeat is within the grace period.
+    TooRecent { heartbeat_ms: u64 },
+    /// Dead, and already reported within the marker's window.
+    AlreadyReported,
+}
+
+/// One pass over `servers`.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct PassReport {
+    /// Servers whose heartbeat was older than the grace period.
+    pub candidates: u64,
+    pub published: u64,
+    pub alive: u64,
+    pub too_recent: u64,
+    pub already_reported: u64,
+    /// Members of `servers` that are not valid server ids (left alone, logged).
+    pub invalid: u64,
+}
+
+/// One complete drift sweep.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct SweepReport {
+    pub steps: u64,
+    pub entries_scanned: u64,
+    pub entries_removed: u64,
+    pub live_servers: u64,
+    pub members_scanned: u64,
+    pub members_removed: u64,
+}
+
+/// What `reconcile --once` did.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct OnceReport {
+    pub pass: PassReport,
+    pub sweep: SweepReport,
+}
+
+impl std::fmt::Display for OnceReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (p, s) = (&self.pass, &self.sweep);
+        write!(
+            f,
+            "dead servers: {} published, {} already reported, {} alive, {} heartbeat within grace \
+             ({} stale heartbeats, {} invalid ids); drift: {} of {} forward entries removed, \
+             {} of {} reverse-index members of {} live servers removed",
+            p.published,
+            p.already_reported,
+            p.alive,
+            p.too_recent,
+            p.candidates,
+            p.invalid,
+            s.entries_removed,
+            s.entries_scanned,
+            s.members_removed,
+            s.members_scanned,
+            s.live_servers
+        )
+    }
+}
+
+pub struct Reconciler {
+    settings: Settings,
+    keys: Keys,
+    client: redis::Client,
+    conn: ConnectionManager,
+    metrics: Metrics,
+    health: Arc<Health>,
+}
+
+impl Reconciler {
+    pub fn new(settings: &Settings, metrics: Metrics) -> Result<Self> {
+        let client = conn::client(&settings.redis_url)?;
+        // The pass loop sleeps a whole interval between beats.
+        let stall_after = Duration::from_millis(settings.reconcile_interval_ms.saturating_mul(3))
+            .max(Duration::from_secs(60));
+        Ok(Reconciler {
+            keys: Keys::new(settings.key_prefix.clone()),
+            conn: conn::shared(&client)?,
+            client,
+            settings: settings.clone(),
+            metrics,
+            health: Health::new(stall_after),
+        })
+    }
+
+    pub fn health(&self) -> Arc<Health> {
+        self.health.clone()
+    }
+
+    pub fn readiness(&self) -> Readiness {
+        Readiness {
+            conn: self.conn.clone(),
+            keys: self.keys.clone(),
+            needs_group: false,
+        }
+    }
+
+    fn cutoff_ms(&self) -> u64 {
+        crate::now_ms().saturating_sub(self.settings.heartbeat_grace_ms)
+    }
+
+    fn layout(&self) -> &'static str {
+        match self.settings.layout {
+            Layout::Hash => "hash",
+            Layout::Keys => "keys",
+        }
+    }
+
+    /// Publishes `server.dead` for `server` if it is dead at this instant.
+    pub async fn check(&self, server: &ServerId) -> Result<Verdict> {
+        let event = ServerDead::new(
+            server,
+            Some("heartbeat timeout".into()),
+            Some("reconciler".into()),
+        );
+        let marker_ttl = self
+            .settings
+            .reconcile_interval_ms
+            .saturating_mul(2)
+            .max(1000);
+        let mut call = REPORT_DEAD.prepare_invoke();
+        call.key(self.keys.server_alive(server))
+            .key(self.keys.servers())
+            .key(self.keys.server_reported(server))
+            .key(self.keys.events())
+            .arg(server.as_str())
+            .arg(self.cutoff_ms())
+            .arg(event.encode())
+            .arg(marker_ttl);
+        let (verdict, detail): (i64, String) = call.invoke_async(&mut self.conn.clone()).await?;
+        Ok(match verdict {
+            1 => {
+                self.metrics.reconcile_dead_found.inc();
+                info!(server_id = %server, entry = %detail, event_id = %event.event_id, "server is dead; published server.dead");
+                Verdict::Published(detail)
+            }
+            0 => Verdict::Alive,
+            2 => Verdict::TooRecent {
+                heartbeat_ms: detail.parse::<f64>().map_or(0, |f| f as u64),
+            },
+            3 => Verdict::AlreadyReported,
+            other => return Err(Error::Protocol(format!("report_dead.lua returned {other}"))),
+        })
+    }
+
+    /// One pass over `servers`: checks every server whose heartbeat is older than the
+    /// grace period.
+    pub async fn pass(&self) -> Result<PassReport> {
+        let mut report = PassReport::default();
+        let cutoff = self.cutoff_ms();
+        let mut offset = 0;
+        loop {
+            let page: Vec<String> = redis::cmd("ZRANGEBYSCORE")
+                .arg(self.keys.servers())
+                .arg("-inf")
+                .arg(cutoff)
+                .arg("LIMIT")
+                .arg(offset)
+                .arg(PAGE)
+                .query_async(&mut self.conn.clone())
+                .await?;
+            let n = page.len();
+            for member in page {
+                report.candidates += 1;
+                let Ok(server) = ServerId::parse(&member) else {
+                    report.invalid += 1;
+                    warn!(member = %member.escape_debug(), "`servers` holds an invalid server id; left alone");
+                    continue;
+                };
+                match self.check(&server).await? {
+                    Verdict::Published(_) => report.published += 1,
+                    Verdict::Alive => report.alive += 1,
+                    Verdict::TooRecent { .. } => report.too_recent += 1,
+                    Verdict::AlreadyReported => report.already_reported += 1,
+                }
+            }
+            // Published servers stay in `servers` until cleaned: the offset stays valid.
+            if n < PAGE {
+                break;
+            }
+            offset += n;
+        }
+        self.metrics.reconcile_passes.inc();
+        Ok(report)
+    }
+
+    /// Live servers: a liveness key, or a heartbeat within the grace period.
+    pub async fn live_servers(&self) -> Result<Vec<ServerId>> {
+        let cutoff = self.cutoff_ms();
+        let mut live = Vec::new();
+        let mut start = 0;
+        loop {
+            let page: Vec<(String, f64)> = redis::cmd("ZRANGE")
+                .arg(self.keys.servers())
+                .arg(start)
+                .arg(start + PAGE - 1)
+                .arg("WITHSCORES")
+                .query_async(&mut self.conn.clone())
+                .await?;
+            let n = page.len();
+            let servers: Vec<(ServerId, f64)> = page
+                .into_iter()
+                .filter_map(|(m, score)| ServerId::parse(&m).ok().map(|s| (s, score)))
+                .collect();
+            let mut pipe = redis::pipe();
+            for (s, _) in &servers {
+                pipe.exists(self.keys.server_alive(s));
+            }
+            let alive: Vec<bool> = pipe.query_async(&mut self.conn.clone()).await?;
+            for ((server, score), has_key) in servers.into_iter().zip(alive) {
+                if has_key || score as u64 > cutoff {
+                    live.push(server);
+                }
+            }
+            if n < PAGE {
+                return Ok(live);
+            }
+            start += n;
+        }
+    }
+
+    /// One step of the forward sweep; `cursor` None resumes from the stored cursor.
+    /// Returns (next cursor, entries scanned, entries removed).
+    pub async fn sweep_step(&self, cursor: Option<&str>) -> Result<(String, u64, u64)> {
+        let pattern = format!("{}*", glob_escape(&self.keys.user_key_prefix()));
+        let mut call = SWEEP_FORWARD.prepare_invoke();
+        call.key(self.keys.registry())
+            .key(self.keys.sweep())
+            .key(self.keys.servers())
+            .arg(self.layout())
+            .arg(self.settings.sweep_count)
+            .arg(self.keys.prefix())
+            .arg(self.cutoff_ms())
+            .arg(pattern)
+            .arg(cursor.unwrap_or(""));
+        let (next, scanned, removed): (String, u64, u64) =
+            call.invoke_async(&mut self.conn.clone()).await?;
+        self.metrics.drift_entries_removed.inc_by(removed);
+        Ok((next, scanned, removed))
+    }
+
+    /// Sweeps one live server's reverse set completely.
+    pub async fn sweep_reverse(&self, server: &ServerId, pause: Duration) -> Result<(u64, u64)> {
+        let (mut cursor, mut scanned, mut removed) = ("0".to_owned(), 0, 0);
+        loop {
+            let mut call = SWEEP_REVERSE.prepare_invoke();
+            call.key(self.keys.server_users(server))
+                .key(self.keys.registry())
+                .arg(server.as_str())
+                .arg(&cursor)
+                .arg(self.settings.sweep_count)
+                .arg(self.layout())
+                .arg(self.keys.user_key_prefix());
+            let (next, n, r): (String, u64, u64) =
+                call.invoke_async(&mut self.conn.clone()).await?;
+            scanned += n;
+            removed += r;
+            self.metrics.drift_members_removed.inc_by(r);
+            if next == "0" {
+                return Ok((scanned, removed));
+            }
+            cursor = next;
+            tokio::time::sleep(pause).await;
+        }
+    }
+
+    /// One complete sweep: the forward registry from the start, then every live server's
+    /// reverse set. Paced by `sweep_pause_ms` between steps.
+    pub async fn sweep(&self, pause: Duration) -> Result<SweepReport> {
+        let mut report = SweepReport::default();
+        let mut cursor = "0".to_owned();
+        loop {
+            let (next, scanned, removed) = self.sweep_step(Some(&cursor)).await?;
+            report.steps += 1;
+            report.entries_scanned += scanned;
+            report.entries_removed += removed;
+            self.health.beat();
+            if next == "0" {
+                break;
+            }
+            cursor = next;
+            tokio::time::sleep(pause).await;
+        }
+        self.sweep_reverse_sets(pause, &mut report).await?;
+        Ok(report)
+    }
+
+    async fn sweep_reverse_sets(&self, pause: Duration, report: &mut SweepReport) -> Result<()> {
+        for server in self.live_servers().await? {
+            let (scanned, removed) = self.sweep_reverse(&server, pause).await?;
+            report.live_servers += 1;
+            report.members_scanned += scanned;
+            report.members_removed += removed;
+            self.health.beat();
+        }
+        Ok(())
+    }
+
+    /// `reconcile --once`: one pass and one complete sweep.
+    pub async fn run_once(&self) -> Result<OnceReport> {
+        let pass = self.pass().await?;
+        let sweep = self
+            .sweep(Duration::from_millis(self.settings.sweep_pause_ms))
+            .await?;
+        Ok(OnceReport { pass, sweep })
+    }
+
+    /// Runs the pass, the expiry hint listener and the sweep until `shutdown`.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
+        let this = Arc::new(self);
+        info!(
+            redis = %conn::redact_url(&this.settings.redis_url),
+            interval_ms = this.settings.reconcile_interval_ms,
+            grace_ms = this.settings.heartbeat_grace_ms,
+            "reconciler starting"
+        );
+        let hints = tokio::spawn(this.clone().hint_loop(shutdown.clone()));
+        let sweeper = tokio::spawn(this.clone().sweep_loop(shutdown.clone()));
+        let interval = Duration::from_millis(this.settings.reconcile_interval_ms);
+        loop {
+            this.health.beat();
+            match retrying_counted(
+                "reconcile pass",
+                &shutdown,
+                Some(&this.metrics.redis_errors),
+                || this.pass(),
+            )
+            .await
+            {
+                Ok(r) if r.published > 0 || r.invalid > 0 => info!(?r, "reconcile pass"),
+                Ok(r) => debug!(?r, "reconcile pass"),
+                Err(Error::Cancelled) => break,
+                Err(e) => warn!(error = %e, "reconcile pass failed; next one in an interval"),
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(interval) => {}
+                _ = shutdown.cancelled() => break,
+            }
+        }
+        let _ = hints.await;
+        let _ = sweeper.await;
+        info!("reconciler stopped");
+        Ok(())
+    }
+
+    /// The continuous sweep: paced steps from the stored cursor; after each complete
+    /// cycle, the reverse sets, then a rest of one interval.
+    async fn sweep_loop(self: Arc<Self>, shutdown: CancellationToken) {
+        let pause = Duration::from_millis(self.settings.sweep_pause_ms);
+        let interval = Duration::from_millis(self.settings.reconcile_interval_ms);
+        let mut cycle = SweepReport::default();
+        loop {
+            self.health.beat();
+            let step = retrying_counted(
+                "drift sweep",
+                &shutdown,
+                Some(&self.metrics.redis_errors),
+                || self.sweep_step(None),
+            )
+            .await;
+            let wait = match step {
+                Err(Error::Cancelled) => return,
+                Err(e) => {
+                    warn!(error = %e, "drift sweep step failed");
+                    interval
+                }
+                Ok((next, scanned, removed)) => {
+                    cycle.steps += 1;
+                    cycle.entries_scanned += scanned;
+                    cycle.entries_removed += removed;
+                    if next != "0" {
+                        pause
+                    } else {
+                        if let Err(e) = self.sweep_reverse_sets(pause, &mut cycle).await {
+                            warn!(error = %e, "reverse-index sweep failed");
+                        }
+                        if cycle.entries_removed + cycle.members_removed > 0 {
+                            info!(?cycle, "drift sweep cycle done");
+                        } else {
+                            debug!(?cycle, "drift sweep cycle done");
+                        }
+                        cycle = SweepReport::default();
+                        interval
+                    }
+                }
+            };
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => {}
+                _ = shutdown.cancelled() => return,
+            }
+        }
+    }
+
+    /// Listens for liveness-key expiries and checks those servers at once. Reconnects
+    /// with backoff; after each (re)subscription a pass covers what was missed.
+    async fn hint_loop(self: Arc<Self>, shutdown: CancellationToken) {
+        self.ensure_notifications().await;
+        let db = self.client.get_connection_info().redis_settings().db();
+        let channel = format!("__keyevent@{db}__:expired");
+        let mut backoff = backon::BackoffBuilder::build(policy());
+        loop {
+            let subscribed = async {
+                let mut pubsub = self.client.get_async_pubsub().await?;
+                pubsub.subscribe(&channel).await?;
+                Ok::<_, redis::RedisError>(pubsub)
+            };
+            let pubsub = tokio::select! {
+                p = subscribed => p,
+                _ = shutdown.cancelled() => return,
+            };
+            let mut messages = match pubsub {
+                Ok(p) => {
+                    backoff = backon::BackoffBuilder::build(policy());
+                    info!(%channel, "listening for liveness-key expiries");
+                    p.into_on_message()
+                }
+                Err(e) => {
+                    debug!(error = %e, "subscribing to expiry notifications failed");
+                    let wait = backoff.next().unwrap_or(Duration::from_secs(5));
+                    tokio::select! {
+                        _ = tokio::time::sleep(wait) => continue,
+                        _ = shutdown.cancelled() => return,
+                    }
+                }
+            };
+            // Hints may have been lost while not subscribed.
+            let catch_up = self.clone();
+            tokio::spawn(async move {
+                if let Err(e) = catch_up.pass().await {
+                    debug!(error = %e, "catch-up pass failed");
+                }
+            });
+            loop {
+                let msg = tokio::select! {
+                    m = messages.next() => m,
+                    _ = shutdown.cancelled() => return,
+                };
+                let Some(msg) = msg else { break };
+                let Ok(key) = std::str::from_utf8(msg.get_payload_bytes()) else {
+                    continue;
+                };
+                if let Some(server) = self
+                    .keys
+                    .server_of_alive_key(key)
+                    .and_then(|s| ServerId::parse(s).ok())
+                {
+                    self.metrics.expiry_hints.inc();
+                    tokio::spawn(self.clone().on_expiry(server));
+                }
+            }
+            warn!("expiry notification subscription lost; subscribing again");
+        }
+    }
+
+    /// Checks a server whose liveness key just expired; if its heartbeat is still within
+    /// the grace period, checks again when the grace period ends.
+    async fn on_expiry(self: Arc<Self>, server: ServerId) {
+        for _ in 0..2 {
+            match self.check(&server).await {
+                Ok(Verdict::TooRecent { heartbeat_ms }) => {
+                    let due = heartbeat_ms + self.settings.heartbeat_grace_ms + 50;
+                    tokio::time::sleep(Duration::from_millis(due.saturating_sub(crate::now_ms())))
+                        .await;
+                }
+                Ok(verdict) => {
+                    debug!(server_id = %server, ?verdict, "expiry hint checked");
+                    return;
+                }
+                Err(e) => {
+                    debug!(server_id = %server, error = %e, "expiry hint check failed; the periodic pass will see it");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Makes sure expiry notifications are on, or says how to turn them on.
+    async fn ensure_notifications(&self) {
+        let mut c = self.conn.clone();
+        let current: redis::RedisResult<Vec<String>> = redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("notify-keyspace-events")
+            .query_async(&mut c)
+            .await;
+        let flags = match current {
+            Ok(v) => v.get(1).cloned().unwrap_or_default(),
+            Err(e) => {
+                warn!(error = %e, "cannot read notify-keyspace-events; expiry hints may not arrive (the periodic pass still finds dead servers)");
+                return;
+            }
+        };
+        let has = |c: char| flags.contains(c);
+        if has('E') && (has('x') || has('A')) {
+            return;
+        }
+        if !self.settings.keyspace_events_auto {
+            warn!(
+                current = %flags,
+                "keyspace expiry notifications are off: dead servers are found by the periodic pass only. \
+                 To find them within a second: CONFIG SET notify-keyspace-events Ex (keeping other flags), \
+                 or set keyspace_events_auto = true"
+            );
+            return;
+        }
+        let wanted = format!("{flags}Ex");
+        match redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("notify-keyspace-events")
+            .arg(&wanted)
+            .query_async::<()>(&mut c)
+            .await
+        {
+            Ok(()) => info!(flags = %wanted, "turned on keyspace expiry notifications"),
+            Err(e) => warn!(error = %e, "could not turn on keyspace expiry notifications"),
+        }
+    }
+}
+
+/// Counts servers that are dead now (stale heartbeat and no liveness key), read-only.
+pub async fn count_dead(conn: &ConnectionManager, keys: &Keys, grace_ms: u64) -> Result<u64> {
+    let cutoff = crate::now_ms().saturating_sub(grace_ms);
+    let stale: Vec<String> = redis::cmd("ZRANGEBYSCORE")
+        .arg(keys.servers())
+        .arg("-inf")
+        .arg(cutoff)
+        .query_async(&mut conn.clone())
+        .await?;
+    let servers: Vec<ServerId> = stale
+        .iter()
+        .filter_map(|s| ServerId::parse(s).ok())
+        .collect();
+    let mut dead = 0;
+    for chunk in servers.chunks(PAGE) {
+        let mut pipe = redis::pipe();
+        for s in chunk {
+            pipe.exists(keys.server_alive(s));
+        }
+        let alive: Vec<bool> = pipe.query_async(&mut conn.clone()).await?;
+        dead += alive.iter().filter(|a| !**a).count() as u64;
+    }
+    Ok(dead)
+}
+
+/// Escapes glob metacharacters for SCAN MATCH.
+pub fn glob_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}

@@ -1,0 +1,18 @@
+-- Publishes `server.dead` for a server if, at this instant, it is dead: its liveness key
+-- is gone and its last heartbeat in `servers` is older than the grace period (or it has
+-- none). A marker with a TTL makes several reconcilers publish once per window; once it
+-- expires, a server that is still not clean is reported again.
+--
+-- KEYS[1] server:{S}:alive  KEYS[2] servers  KEYS[3] server:{S}:reported
+-- KEYS[4] registry:events
+-- ARGV[1] server id  ARGV[2] cutoff (unix ms: now - heartbeat_grace_ms)
+-- ARGV[3] the event's MessagePack payload  ARGV[4] marker TTL (ms)
+-- Returns {verdict, detail}: 1 published (detail: entry id); 0 alive (liveness key
+-- exists); 2 heartbeat too recent (detail: its score); 3 already reported.
+
+if redis.call('EXISTS', KEYS[1]) == 1 then return {0, ''} end
+local score = redis.call('ZSCORE', KEYS[2], ARGV[1])
+if score and tonumber(score) > tonumber(ARGV[2]) then return {2, score} end
+if not redis.call('SET', KEYS[3], '1', 'NX', 'PX', ARGV[4]) then return {3, ''} end
+local id = redis.call('XADD', KEYS[4], '*', 'type', 'server.dead', 'payload', ARGV[3])
+return {1, id}

@@ -1,0 +1,67 @@
+-- One step of the drift sweep over the forward registry (see reconcile.rs).
+--
+-- Scans the next COUNT entries (HSCAN of `registry`, or SCAN of `user:*`) from the cursor
+-- stored in the sweep hash, and deletes every entry whose owner is dead: no liveness key
+-- and no heartbeat in `servers` newer than the cutoff. Such entries are stale whether or
+-- not an index still lists them (their reverse set may have been lost). Owner lookups
+-- are cached per step; the owner check and the delete are this one atomic script.
+--
+-- KEYS[1] registry  KEYS[2] sweep hash (janitor's own)  KEYS[3] servers
+-- ARGV[1] 'hash' or 'keys'  ARGV[2] COUNT  ARGV[3] key prefix  ARGV[4] cutoff (unix ms)
+-- ARGV[5] MATCH pattern of forward keys (layout keys)  ARGV[6] cursor, or '' for the stored one
+-- Returns {next cursor, entries scanned, entries removed}
+
+local registry_key, sweep_key, servers_key = KEYS[1], KEYS[2], KEYS[3]
+local hash_layout = ARGV[1] == 'hash'
+local prefix, cutoff = ARGV[3], tonumber(ARGV[4])
+local cursor = ARGV[6]
+if cursor == '' then cursor = redis.call('HGET', sweep_key, 'cursor') or '0' end
+
+local users, owners = {}, {}
+local next_cursor
+if hash_layout then
+  local r = redis.call('HSCAN', registry_key, cursor, 'COUNT', ARGV[2])
+  next_cursor = r[1]
+  for i = 1, #r[2], 2 do
+    users[#users + 1] = r[2][i]
+    owners[#owners + 1] = r[2][i + 1]
+  end
+else
+  local r = redis.call('SCAN', cursor, 'MATCH', ARGV[5], 'COUNT', ARGV[2], 'TYPE', 'string')
+  next_cursor = r[1]
+  local user_prefix = prefix .. 'user:'
+  for i = 1, #r[2] do users[i] = string.sub(r[2][i], #user_prefix + 1) end
+  for first = 1, #r[2], BATCH do
+    local last = math.min(first + BATCH - 1, #r[2])
+    local values = redis.call('MGET', unpack(r[2], first, last))
+    for i = 1, #values do owners[first + i - 1] = values[i] end
+  end
+end
+
+local dead = {}
+local function is_dead(owner)
+  if dead[owner] == nil then
+    if not valid_server_id(owner) then
+      dead[owner] = false
+    elseif redis.call('EXISTS', prefix .. 'server:{' .. owner .. '}:alive') == 1 then
+      dead[owner] = false
+    else
+      local score = redis.call('ZSCORE', servers_key, owner)
+      dead[owner] = (not score) or tonumber(score) <= cutoff
+    end
+  end
+  return dead[owner]
+end
+
+local doomed = {}
+for i = 1, #users do
+  local owner = owners[i]
+  if owner and is_dead(owner) then doomed[#doomed + 1] = users[i] end
+end
+local removed = 0
+for first = 1, #doomed, BATCH do
+  local batch = {unpack(doomed, first, math.min(first + BATCH - 1, #doomed))}
+  removed = removed + delete_forward(batch, hash_layout, registry_key, prefix .. 'user:')
+end
+redis.call('HSET', sweep_key, 'cursor', next_cursor)
+return {next_cursor, #users, removed}
