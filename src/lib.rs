@@ -26,6 +26,7 @@
 //! - [`reconcile`]: the reconciler (dead servers from heartbeats, expiry hints, drift).
 //! - [`registry`]: the connection-server side (register, unregister, heartbeat), used
 //!   by the demo and the tests.
+//! - [`dead_letters`]: listing, replaying and purging dead letters.
 //! - [`demo`]: the end-to-end demonstration.
 //! - [`redis_server`]: starts a private `redis-server` (demo, benchmark, tests).
 //! - [`http`]: the /metrics, /healthz and /readyz listener.
@@ -34,6 +35,7 @@
 pub mod cleanup;
 pub mod config;
 pub mod conn;
+pub mod dead_letters;
 pub mod demo;
 pub mod error;
 pub mod event;

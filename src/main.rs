@@ -7,7 +7,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use registry_janitor::{
     config::{LogFormat, Overrides, Settings},
-    conn, demo,
+    conn, dead_letters, demo,
     event::{ServerDead, ServerId},
     http,
     keys::Keys,
@@ -77,15 +77,47 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Inspect and replay the dead-letter stream (not built yet).
+    /// Inspect, replay and purge the dead-letter stream.
     DeadLetters {
-        #[arg(value_parser = ["list", "replay", "purge"])]
-        action: String,
+        #[command(subcommand)]
+        action: DeadLettersAction,
     },
     /// The whole story on one machine: seed, kill servers, clean, verify.
     Demo(demo::Options),
     /// The throughput and latency benchmark (not built yet).
     Bench,
+}
+
+#[derive(Subcommand)]
+enum DeadLettersAction {
+    /// List dead letters with the reason each failed, oldest first.
+    List {
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        count: usize,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Publish dead letters again on the events stream (after a fix), and remove them.
+    Replay {
+        /// Dead-letter ids to replay.
+        ids: Vec<String>,
+        /// Replay every dead letter.
+        #[arg(long, conflicts_with = "ids")]
+        all: bool,
+    },
+    /// Delete dead letters for good.
+    Purge {
+        /// Dead-letter ids to delete.
+        ids: Vec<String>,
+        /// Delete every dead letter.
+        #[arg(long, conflicts_with = "ids")]
+        all: bool,
+        /// Confirms the deletion; nothing is deleted without it.
+        #[arg(long)]
+        yes: bool,
+    },
 }
 
 #[derive(Subcommand)]
@@ -223,10 +255,61 @@ async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
                 reconciler.run(shutdown).await?;
             }
         }
-        Command::DeadLetters { .. } => {
-            anyhow::bail!("`dead-letters` is not built yet (see README, Status)")
+        Command::DeadLetters { action } => {
+            let conn = conn::shared(&conn::client(&settings.redis_url)?)?;
+            let keys = Keys::new(settings.key_prefix.clone());
+            dead_letters_command(action, &conn, &keys).await?;
         }
         Command::Bench => anyhow::bail!("`bench` is not built yet (see README, Status)"),
+    }
+    Ok(())
+}
+
+async fn dead_letters_command(
+    action: DeadLettersAction,
+    conn: &redis::aio::ConnectionManager,
+    keys: &Keys,
+) -> anyhow::Result<()> {
+    match action {
+        DeadLettersAction::List { count, json } => {
+            let letters = dead_letters::list(conn, keys, count).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&letters)?);
+                return Ok(());
+            }
+            for d in &letters {
+                println!(
+                    "{}  type={}  server_id={}  failed_at_ms={}\n    error: {}",
+                    d.id,
+                    d.kind.as_deref().unwrap_or("-"),
+                    d.server_id.as_deref().unwrap_or("-"),
+                    d.failed_at_ms.map_or("-".into(), |t| t.to_string()),
+                    d.error
+                );
+            }
+            println!("{} dead letter(s) shown", letters.len());
+        }
+        DeadLettersAction::Replay { ids, all } => {
+            anyhow::ensure!(
+                all || !ids.is_empty(),
+                "name the dead-letter ids to replay, or --all"
+            );
+            for (old, new) in dead_letters::replay(conn, keys, &ids).await? {
+                println!("{old} -> {new}");
+            }
+        }
+        DeadLettersAction::Purge { ids, all, yes } => {
+            anyhow::ensure!(
+                all || !ids.is_empty(),
+                "name the dead-letter ids to purge, or --all"
+            );
+            anyhow::ensure!(
+                yes,
+                "purging deletes dead letters for good: add --yes to confirm"
+            );
+            let n = dead_letters::purge(conn, keys, &ids).await?;
+            println!("{n} dead letter(s) purged");
+        }
     }
     Ok(())
 }

@@ -1,0 +1,163 @@
+//! `registry-janitor dead-letters`: inspect, replay and purge the dead-letter stream.
+//!
+//! A dead letter is the original entry's fields plus `error` and `failed_at_ms` (an
+//! original field already called so is kept as `original_<name>`). Replay strips the
+//! janitor's fields, restores the originals and publishes the entry again on the events
+//! stream, deleting the dead letter in the same MULTI, so an entry is never in both
+//! streams nor in neither.
+
+use redis::aio::ConnectionManager;
+use serde::Serialize;
+
+use crate::{
+    error::{Error, Result},
+    event::{Entry, ServerDead, FIELD_PAYLOAD},
+    keys::Keys,
+    stream,
+};
+
+/// One dead letter, as shown by `list`.
+#[derive(Debug, Clone, Serialize)]
+pub struct DeadLetter {
+    pub id: String,
+    pub error: String,
+    pub failed_at_ms: Option<u64>,
+    /// The original `type`, if any (lossy UTF-8).
+    pub kind: Option<String>,
+    /// The server id, when the payload still decodes.
+    pub server_id: Option<String>,
+    /// The original fields' names (lossy UTF-8).
+    pub fields: Vec<String>,
+}
+
+impl DeadLetter {
+    fn from_entry(e: &Entry) -> Self {
+        let text = |name: &str| {
+            e.field(name)
+                .map(|v| String::from_utf8_lossy(v).into_owned())
+        };
+        DeadLetter {
+            id: e.id.clone(),
+            error: text("error").unwrap_or_default(),
+            failed_at_ms: text("failed_at_ms").and_then(|t| t.parse().ok()),
+            kind: text("type"),
+            server_id: e
+                .field(FIELD_PAYLOAD)
+                .and_then(|p| rmp_serde::from_slice::<ServerDead>(p).ok())
+                .map(|ev| ev.server_id),
+            fields: original_fields(e)
+                .iter()
+                .map(|(k, _)| String::from_utf8_lossy(k).into_owned())
+                .collect(),
+        }
+    }
+}
+
+/// The entry as it was before it was dead-lettered.
+pub fn original_fields(dead: &Entry) -> Vec<(Vec<u8>, Vec<u8>)> {
+    dead.fields
+        .iter()
+        .filter(|(k, _)| k != b"error" && k != b"failed_at_ms")
+        .map(|(k, v)| match k.strip_prefix(b"original_") {
+            Some(name) if name == b"error" || name == b"failed_at_ms" => (name.to_vec(), v.clone()),
+            _ => (k.clone(), v.clone()),
+        })
+        .collect()
+}
+
+/// The oldest `count` dead letters.
+pub async fn list(conn: &ConnectionManager, keys: &Keys, count: usize) -> Result<Vec<DeadLetter>> {
+    Ok(read(conn, keys, count, None)
+        .await?
+        .iter()
+        .map(DeadLetter::from_entry)
+        .collect())
+}
+
+async fn read(
+    conn: &ConnectionManager,
+    keys: &Keys,
+    count: usize,
+    id: Option<&str>,
+) -> Result<Vec<Entry>> {
+    let (start, end) = id.map_or(("-", "+"), |i| (i, i));
+    let reply: redis::Value = redis::cmd("XRANGE")
+        .arg(keys.dead_letters())
+        .arg(start)
+        .arg(end)
+        .arg("COUNT")
+        .arg(count)
+        .query_async(&mut conn.clone())
+        .await?;
+    let redis::Value::Array(items) = reply else {
+        return Err(Error::Protocol("XRANGE reply is not an array".into()));
+    };
+    let mut out = Vec::new();
+    for item in items {
+        out.extend(stream::parse_entry(item)?);
+    }
+    Ok(out)
+}
+
+/// Publishes dead letters `ids` (all of them, oldest first, when empty) again on the
+/// events stream. Returns (dead-letter id, new events id) pairs.
+pub async fn replay(
+    conn: &ConnectionManager,
+    keys: &Keys,
+    ids: &[String],
+) -> Result<Vec<(String, String)>> {
+    let entries = if ids.is_empty() {
+        read(conn, keys, usize::MAX >> 1, None).await?
+    } else {
+        let mut found = Vec::new();
+        for id in ids {
+            let e = read(conn, keys, 1, Some(id)).await?;
+            if e.is_empty() {
+                return Err(Error::Setting {
+                    name: "ID".into(),
+                    reason: format!("no dead letter with id {id}"),
+                });
+            }
+            found.extend(e);
+        }
+        found
+    };
+    let mut replayed = Vec::new();
+    for dead in entries {
+        let mut xadd = redis::cmd("XADD");
+        xadd.arg(keys.events()).arg("*");
+        for (k, v) in original_fields(&dead) {
+            xadd.arg(k).arg(v);
+        }
+        let (new_id, _): (String, i64) = redis::pipe()
+            .atomic()
+            .add_command(xadd)
+            .cmd("XDEL")
+            .arg(keys.dead_letters())
+            .arg(&dead.id)
+            .query_async(&mut conn.clone())
+            .await?;
+        replayed.push((dead.id, new_id));
+    }
+    Ok(replayed)
+}
+
+/// Deletes dead letters `ids`, or the whole dead-letter stream when `ids` is empty.
+/// Returns how many were deleted.
+pub async fn purge(conn: &ConnectionManager, keys: &Keys, ids: &[String]) -> Result<u64> {
+    let mut c = conn.clone();
+    if ids.is_empty() {
+        let (n, _): (u64, i64) = redis::pipe()
+            .atomic()
+            .xlen(keys.dead_letters())
+            .del(keys.dead_letters())
+            .query_async(&mut c)
+            .await?;
+        return Ok(n);
+    }
+    Ok(redis::cmd("XDEL")
+        .arg(keys.dead_letters())
+        .arg(ids)
+        .query_async(&mut c)
+        .await?)
+}
