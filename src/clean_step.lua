@@ -2,14 +2,17 @@
 --
 -- Takes the next chunk of the server's reverse set with SSCAN from the cursor stored
 -- in the progress hash, deletes each forward entry that still points at the dead
--- server, removes the chunk from the reverse set and stores the next cursor. The check
--- and the delete run inside this one script, so they are atomic: a user who reconnected
--- elsewhere (forward entry now names another server) is never deleted.
+-- server, and stores the next cursor. The check and the delete run inside this one
+-- script, so they are atomic: a user who reconnected elsewhere (forward entry now names
+-- another server) is never deleted.
 --
--- Progress is the reverse set itself (finished members are removed) plus the cursor, so
--- a step may be repeated, run by two workers at once, or resumed after a crash, and the
--- end state is the same. When a full pass finds the set empty, the step drops the
--- progress hash and the server's `servers` entry: the server is clean.
+-- Progress is the stored cursor (and a count of members scanned, for progress displays),
+-- so a step may be repeated, run by two workers at once, or resumed after a crash, and
+-- the end state is the same. The reverse set is not modified while it is walked (no
+-- SREM per member: that would cost Redis a third of the work); a dead server's set no
+-- longer grows, so one complete SSCAN pass sees every member. When the cursor comes back
+-- to 0 the step UNLINKs the set (freed off Redis' main thread), drops the progress hash
+-- and the server's `servers` entry: the server is clean.
 --
 -- KEYS[1] server:{S}:users   KEYS[2] server:{S}:cleanup   KEYS[3] servers
 -- KEYS[4] registry (layout hash; unused for layout keys)
@@ -39,13 +42,13 @@ for first = 1, #members, BATCH do
     end
   end
   deleted = deleted + delete_forward(doomed, hash_layout, registry_key, user_prefix)
-  redis.call('SREM', users_key, unpack(members, first, last))
 end
 
-if next_cursor == '0' and redis.call('EXISTS', users_key) == 0 then
-  redis.call('DEL', progress_key)
+if next_cursor == '0' then
+  redis.call('UNLINK', users_key, progress_key)
   redis.call('ZREM', servers_key, server)
   return {1, #members, deleted, kept}
 end
 redis.call('HSET', progress_key, 'cursor', next_cursor)
+redis.call('HINCRBY', progress_key, 'scanned', #members)
 return {0, #members, deleted, kept}

@@ -237,7 +237,7 @@ fn user_id(server: &ServerId, n: usize) -> Vec<u8> {
 }
 
 /// Uses the Redis at `url` if it answers; otherwise starts a private one.
-async fn find_redis(url: &str) -> Result<(String, Option<RedisServer>)> {
+pub(crate) async fn find_redis(url: &str) -> Result<(String, Option<RedisServer>)> {
     let client = conn::client(url)?;
     let ping = tokio::time::timeout(Duration::from_secs(2), async {
         let mut c = client.get_multiplexed_async_connection().await?;

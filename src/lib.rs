@@ -27,11 +27,12 @@
 //! - [`registry`]: the connection-server side (register, unregister, heartbeat), used
 //!   by the demo and the tests.
 //! - [`dead_letters`]: listing, replaying and purging dead letters.
-//! - [`demo`]: the end-to-end demonstration.
+//! - [`demo`]: the end-to-end demonstration; [`bench`]: the benchmark.
 //! - [`redis_server`]: starts a private `redis-server` (demo, benchmark, tests).
 //! - [`http`]: the /metrics, /healthz and /readyz listener.
 //! - [`conn`], [`retry`], [`metrics`], [`error`]: plumbing.
 
+pub mod bench;
 pub mod cleanup;
 pub mod config;
 pub mod conn;

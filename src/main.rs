@@ -6,6 +6,7 @@ use std::{path::PathBuf, process::ExitCode};
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use registry_janitor::{
+    bench,
     config::{LogFormat, Overrides, Settings},
     conn, dead_letters, demo,
     event::{ServerDead, ServerId},
@@ -84,8 +85,8 @@ enum Command {
     },
     /// The whole story on one machine: seed, kill servers, clean, verify.
     Demo(demo::Options),
-    /// The throughput and latency benchmark (not built yet).
-    Bench,
+    /// The throughput and latency benchmark, with references measured in the same run.
+    Bench(bench::Options),
 }
 
 #[derive(Subcommand)]
@@ -260,7 +261,18 @@ async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
             let keys = Keys::new(settings.key_prefix.clone());
             dead_letters_command(action, &conn, &keys).await?;
         }
-        Command::Bench => anyhow::bail!("`bench` is not built yet (see README, Status)"),
+        Command::Bench(options) => {
+            let report = bench::run(&settings, &options, &bench::current_exe()?).await?;
+            if options.json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{report}");
+            }
+            let janitor = report.runs.iter().find(|r| r.name == "janitor");
+            if janitor.is_some_and(|j| j.stale_left > 0 || j.live_lost > 0) {
+                anyhow::bail!("the janitor run left stale entries or lost live ones");
+            }
+        }
     }
     Ok(())
 }
