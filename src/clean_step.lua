@@ -6,7 +6,8 @@
 -- script, so they are atomic: a user who reconnected elsewhere (forward entry now names
 -- another server) is never deleted.
 --
--- Progress is the stored cursor (and a count of members scanned, for progress displays),
+-- Progress is the stored cursor (with the run_id of the Redis that issued it, and a
+-- count of members scanned, for progress displays),
 -- so a step may be repeated, run by two workers at once, or resumed after a crash, and
 -- the end state is the same. The reverse set is not modified while it is walked (no
 -- SREM per member: that would cost Redis a third of the work); a dead server's set no
@@ -24,7 +25,17 @@ local users_key, progress_key, servers_key, registry_key = KEYS[1], KEYS[2], KEY
 local server, count, user_prefix = ARGV[1], ARGV[2], ARGV[4]
 local hash_layout = ARGV[3] == 'hash'
 
-local cursor = redis.call('HGET', progress_key, 'cursor') or '0'
+-- A SCAN cursor means something only to the Redis process that issued it: after a
+-- restart or a failover the set is rebuilt with another hash seed, and an old cursor
+-- would skip members. The cursor is stored with the run_id of its Redis; under another
+-- run_id the walk starts again from 0 (repeating steps is harmless).
+local run_id = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
+local progress = redis.call('HMGET', progress_key, 'cursor', 'run_id')
+local cursor = progress[1] or '0'
+if progress[2] ~= run_id then
+  cursor = '0'
+  redis.call('HSET', progress_key, 'scanned', 0)
+end
 local scan = redis.call('SSCAN', users_key, cursor, 'COUNT', count)
 local next_cursor, members = scan[1], scan[2]
 
@@ -49,6 +60,6 @@ if next_cursor == '0' then
   redis.call('ZREM', servers_key, server)
   return {1, #members, deleted, kept}
 end
-redis.call('HSET', progress_key, 'cursor', next_cursor)
+redis.call('HSET', progress_key, 'cursor', next_cursor, 'run_id', run_id)
 redis.call('HINCRBY', progress_key, 'scanned', #members)
 return {0, #members, deleted, kept}

@@ -131,6 +131,21 @@ impl Cleaner {
         }
     }
 
+    /// How far the cleanup of `server` has got: `Some(members scanned)` while under
+    /// way (0 before the first step), `None` once the server is clean (no reverse set).
+    pub async fn progress(
+        &self,
+        conn: &ConnectionManager,
+        server: &ServerId,
+    ) -> Result<Option<u64>> {
+        let (exists, scanned): (bool, Option<u64>) = redis::pipe()
+            .exists(self.keys.server_users(server))
+            .hget(self.keys.server_cleanup(server), "scanned")
+            .query_async(&mut conn.clone())
+            .await?;
+        Ok(exists.then_some(scanned.unwrap_or(0)))
+    }
+
     /// Notes why cleaning `server` failed, in its progress record, so that the worker
     /// that finally dead-letters the event can say why (best effort).
     pub async fn record_failure(&self, conn: &ConnectionManager, server: &ServerId, error: &str) {

@@ -23,7 +23,8 @@ use redis::aio::ConnectionManager;
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    config::Settings,
+    cleanup::Cleaner,
+    config::{Layout, Settings},
     conn,
     error::{Error, Result},
     event::{ServerDead, ServerId},
@@ -297,14 +298,21 @@ async fn wait_with_progress(
 ) -> Result<()> {
     let total = users * dead.len() as u64;
     let bar = bar(total, "cleaning");
+    let cleaner = Cleaner::new(keys.clone(), Layout::Hash, 1, 1);
     loop {
-        let mut pipe = redis::pipe();
+        let mut done = 0;
+        let mut all_clean = true;
         for server in dead {
-            pipe.scard(keys.server_users(server));
+            match cleaner.progress(conn, server).await? {
+                Some(scanned) => {
+                    done += scanned.min(users);
+                    all_clean = false;
+                }
+                None => done += users,
+            }
         }
-        let left: Vec<u64> = pipe.query_async(&mut conn.clone()).await?;
-        bar.set_position(total.saturating_sub(left.iter().sum()));
-        if left.iter().all(|&n| n == 0) && status::collect_from(conn, keys).await?.is_idle() {
+        bar.set_position(done);
+        if all_clean && status::collect_from(conn, keys).await?.is_idle() {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;

@@ -16,6 +16,7 @@ use std::{
 use common::*;
 use rand::Rng;
 use registry_janitor::{
+    cleanup::Cleaner,
     config::Layout,
     event::{classify, Classified, Entry, ServerDead, ServerId},
     metrics::outcome,
@@ -31,14 +32,19 @@ async fn stale(f: &Fixture, servers: &[ServerId], users: usize) -> usize {
     n
 }
 
-async fn users_left(f: &Fixture, servers: &[ServerId]) -> u64 {
+/// Dead servers whose cleanup has not finished yet.
+async fn unfinished(f: &Fixture, servers: &[ServerId]) -> u64 {
     let mut n = 0;
     for s in servers {
-        n += f
-            .query::<u64>(redis::cmd("SCARD").arg(f.keys.server_users(s)))
-            .await;
+        n += u64::from(scanned(f, s).await.is_some());
     }
     n
+}
+
+/// Members of `server`'s reverse set scanned so far; None once it is clean.
+async fn scanned(f: &Fixture, server: &ServerId) -> Option<u64> {
+    let cleaner = Cleaner::new(f.keys.clone(), f.settings.layout, 1, 1);
+    cleaner.progress(&f.conn, server).await.unwrap()
 }
 
 /// Several workers clean many servers while the test SIGKILLs them at random moments and
@@ -97,7 +103,7 @@ async fn chaos_sigkilled_workers_and_reconnecting_users() {
         let pause = rand::rng().random_range(150..500);
         tokio::time::sleep(Duration::from_millis(pause)).await;
         let victim = rand::rng().random_range(0..workers.len());
-        let left = users_left(&f, &dead).await;
+        let left = unfinished(&f, &dead).await;
         workers[victim].signal("KILL");
         workers.remove(victim);
         kills += 1;
@@ -133,7 +139,7 @@ async fn chaos_sigkilled_workers_and_reconnecting_users() {
             "moved user lost"
         );
     }
-    assert_eq!(users_left(&f, &dead).await, 0, "reverse sets gone");
+    assert_eq!(unfinished(&f, &dead).await, 0, "reverse sets gone");
     assert!(f.dead_letters().await.is_empty(), "nothing dead-lettered");
     assert!(
         kills_mid_cleanup >= 5,
@@ -171,10 +177,16 @@ async fn redis_restarted_under_a_running_worker() {
         &f.redis,
         "the cleanup under way",
         Duration::from_secs(30),
-        || async { users_left(&f, std::slice::from_ref(&dead)).await < (USERS as u64 * 9 / 10) },
+        || async {
+            scanned(&f, &dead)
+                .await
+                .is_some_and(|n| n >= USERS as u64 / 10)
+        },
     )
     .await;
-    let left_before = users_left(&f, std::slice::from_ref(&dead)).await;
+    let left_before = scanned(&f, &dead)
+        .await
+        .map_or(0, |n| USERS as u64 - n.min(USERS as u64));
     assert!(
         left_before > 0,
         "the cleanup finished before Redis was killed; nothing was tested"
@@ -236,7 +248,7 @@ async fn sigterm_mid_cleanup_leaves_the_rest_to_another_worker() {
         &f.redis,
         "the cleanup under way",
         Duration::from_secs(30),
-        || async { users_left(&f, std::slice::from_ref(&dead)).await < USERS as u64 },
+        || async { scanned(&f, &dead).await.is_some_and(|n| n > 0) },
     )
     .await;
     let stopped_at = Instant::now();
@@ -251,7 +263,7 @@ async fn sigterm_mid_cleanup_leaves_the_rest_to_another_worker() {
     assert!(log.contains("abandoned"), "{log}");
     let pending = status::collect_from(&f.conn, &f.keys).await.unwrap();
     assert_eq!(pending.pending, 1, "the unfinished entry stays pending");
-    let left = users_left(&f, std::slice::from_ref(&dead)).await;
+    let left = unfinished(&f, std::slice::from_ref(&dead)).await;
     assert!(
         left > 0,
         "the cleanup had finished; nothing was left to take over"
