@@ -121,7 +121,7 @@ pub async fn run(settings: &Settings, options: &Options, worker_exe: &Path) -> R
     let (url, _private) = find_redis(&settings.redis_url).await?;
     let mut settings = settings.clone();
     settings.redis_url = url;
-    let conn = conn::shared(&conn::client(&settings.redis_url)?)?;
+    let conn = conn::shared(&conn::client_for(&settings)?)?;
     let info: String = redis::cmd("INFO")
         .arg("server")
         .query_async(&mut conn.clone())
@@ -457,7 +457,7 @@ where
     let stop = CancellationToken::new();
     let targets: Vec<Vec<u8>> = (0..scene.live_users).map(|n| scene.live_user(n)).collect();
     let prober = tokio::spawn(probe_lookups(
-        conn::client(&settings.redis_url)?,
+        conn::client_for(settings)?,
         scene.keys.clone(),
         settings.layout,
         targets,

@@ -4,7 +4,10 @@
 //! compiled in. [`Settings::load`] layers the rest over it with figment and
 //! [`Settings::validate`] names the first setting the program cannot run with.
 
-use std::{net::SocketAddr, path::Path};
+use std::{
+    net::SocketAddr,
+    path::{Path, PathBuf},
+};
 
 use figment::{
     providers::{Env, Format, Serialized, Toml},
@@ -37,11 +40,43 @@ pub enum LogFormat {
     Json,
 }
 
+/// A secret setting: never printed (its `Debug` shows `***`).
+#[derive(Clone, Deserialize, PartialEq, Eq)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("***")
+    }
+}
+
 /// Every setting, after layering. Field docs are in `config.default.toml`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 pub struct Settings {
     /// Where the registry, the stream and the group live.
     pub redis_url: String,
+    /// Password overriding the URL's (`JANITOR_REDIS_PASSWORD`).
+    #[serde(default)]
+    pub redis_password: Option<Secret>,
+    /// File holding the password (a mounted Kubernetes Secret); beats the other two.
+    #[serde(default)]
+    pub redis_password_file: Option<PathBuf>,
+    /// CA certificate (PEM) to verify the server of a `rediss://` URL; default: system roots.
+    #[serde(default)]
+    pub tls_ca_file: Option<PathBuf>,
+    /// Client certificate (PEM) for mutual TLS; goes with `tls_key_file`.
+    #[serde(default)]
+    pub tls_cert_file: Option<PathBuf>,
+    /// Client private key (PEM) for mutual TLS.
+    #[serde(default)]
+    pub tls_key_file: Option<PathBuf>,
     /// Prefix of every key, so deployments and tests can share one Redis.
     pub key_prefix: String,
     /// Forward registry layout.
@@ -223,7 +258,42 @@ impl Settings {
         if let Err(e) = self.metrics_listen_addr() {
             return bad("metrics_addr", e);
         }
+        let tls_url = self.redis_url.starts_with("rediss://");
+        for (name, file) in [
+            ("tls_ca_file", &self.tls_ca_file),
+            ("tls_cert_file", &self.tls_cert_file),
+            ("tls_key_file", &self.tls_key_file),
+            ("redis_password_file", &self.redis_password_file),
+        ] {
+            if let Some(path) = file {
+                if let Err(e) = std::fs::metadata(path) {
+                    return bad(name, format!("cannot read {}: {e}", path.display()));
+                }
+                if name.starts_with("tls_") && !tls_url {
+                    return bad(name, "is set, but redis_url is not a rediss:// URL");
+                }
+            }
+        }
+        if self.tls_cert_file.is_some() != self.tls_key_file.is_some() {
+            return bad(
+                "tls_cert_file",
+                "tls_cert_file and tls_key_file go together",
+            );
+        }
         Ok(())
+    }
+
+    /// The Redis password: from `redis_password_file`, else `redis_password`, else none
+    /// (the URL's own, if any, stays in force).
+    pub fn redis_password(&self) -> Result<Option<Secret>> {
+        if let Some(path) = &self.redis_password_file {
+            let text = std::fs::read_to_string(path).map_err(|e| Error::Setting {
+                name: "redis_password_file".into(),
+                reason: format!("cannot read {}: {e}", path.display()),
+            })?;
+            return Ok(Some(Secret(text.trim_end_matches(['\r', '\n']).to_owned())));
+        }
+        Ok(self.redis_password.clone())
     }
 
     /// `None` when the metrics listener is `off`.

@@ -12,17 +12,78 @@
 
 use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{
+    aio::{ConnectionManager, ConnectionManagerConfig},
+    IntoConnectionInfo,
+};
 
-use crate::error::Result;
+use crate::{
+    config::Settings,
+    error::{Error, Result},
+};
 
 /// Longest a short command may take before it counts as failed (and is retried).
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// A client for `url`; the URL was validated with the settings.
+/// A client for `url` alone (no password override, no certificate files).
 pub fn client(url: &str) -> Result<redis::Client> {
+    install_crypto_provider();
     Ok(redis::Client::open(url)?)
+}
+
+/// The client the settings describe: `redis_url`, the password from `redis_password_file`
+/// or `redis_password` if set, and the TLS files for a `rediss://` URL.
+pub fn client_for(settings: &Settings) -> Result<redis::Client> {
+    install_crypto_provider();
+    let mut info = settings.redis_url.as_str().into_connection_info()?;
+    if let Some(password) = settings.redis_password()? {
+        let redis = info
+            .redis_settings()
+            .clone()
+            .set_password(password.expose());
+        info = info.set_redis_settings(redis);
+    }
+    let read = |name: &'static str, path: &std::path::Path| {
+        std::fs::read(path).map_err(|e| Error::Setting {
+            name: name.into(),
+            reason: format!("cannot read {}: {e}", path.display()),
+        })
+    };
+    let root_cert = settings
+        .tls_ca_file
+        .as_deref()
+        .map(|p| read("tls_ca_file", p))
+        .transpose()?;
+    let client_tls = match (&settings.tls_cert_file, &settings.tls_key_file) {
+        (Some(cert), Some(key)) => Some(redis::ClientTlsConfig {
+            client_cert: read("tls_cert_file", cert)?,
+            client_key: read("tls_key_file", key)?,
+        }),
+        _ => None,
+    };
+    if root_cert.is_none() && client_tls.is_none() {
+        return Ok(redis::Client::open(info)?);
+    }
+    redis::Client::build_with_tls(
+        info,
+        redis::TlsCertificates {
+            client_tls,
+            root_cert,
+        },
+    )
+    .map_err(|e| Error::Setting {
+        name: "tls_ca_file".into(),
+        reason: format!("the TLS certificates could not be used: {e}"),
+    })
+}
+
+/// rustls needs a process-wide crypto provider before the first `rediss://` connection.
+fn install_crypto_provider() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
 }
 
 fn config(response_timeout: Duration) -> ConnectionManagerConfig {

@@ -136,7 +136,7 @@ pub async fn run(settings: &Settings, options: &Options) -> Result<Summary> {
     let mut settings = settings.clone();
     settings.redis_url = url;
     settings.key_prefix = format!("{}janitor-demo:{}:", settings.key_prefix, ulid::Ulid::new());
-    let conn = conn::shared(&conn::client(&settings.redis_url)?)?;
+    let conn = conn::shared(&conn::client_for(&settings)?)?;
     let keys = Keys::new(settings.key_prefix.clone());
     eprintln!(
         "demo keys live under `{}` and are deleted at the end",

@@ -79,6 +79,9 @@ impl Error {
 /// retryable; command errors (WRONGTYPE, a script error, no permission) are not.
 pub fn redis_error_is_retryable(e: &redis::RedisError) -> bool {
     use redis::{ErrorKind, ServerErrorKind as S};
+    if is_configuration_error(e) {
+        return false;
+    }
     if e.is_io_error()
         || e.is_timeout()
         || e.is_connection_dropped()
@@ -101,4 +104,18 @@ pub fn redis_error_is_retryable(e: &redis::RedisError) -> bool {
         ErrorKind::ClusterConnectionNotFound => true,
         _ => false,
     }
+}
+
+/// Failures that waiting will not fix: a certificate the client does not trust (or that
+/// the server refuses), a wrong password, a missing permission. They stop a worker at
+/// start-up with the message instead of retrying forever. redis-rs wraps TLS failures in
+/// an I/O error whose cause cannot be downcast, so those are recognised by their text.
+pub fn is_configuration_error(e: &redis::RedisError) -> bool {
+    if matches!(e.kind(), redis::ErrorKind::AuthenticationFailed)
+        || matches!(e.code(), Some("NOAUTH" | "WRONGPASS" | "NOPERM"))
+    {
+        return true;
+    }
+    let text = e.to_string().to_ascii_lowercase();
+    text.contains("certificate") || text.contains("handshake") || text.contains("unknownissuer")
 }

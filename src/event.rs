@@ -121,6 +121,7 @@ impl ServerDead {
                 limit: max_bytes,
             });
         }
+        check_structure(bytes, MAX_NESTING).map_err(EventError::Decode)?;
         let event: ServerDead =
             rmp_serde::from_slice(bytes).map_err(|e| EventError::Decode(e.to_string()))?;
         let server = event.validate()?;
@@ -141,6 +142,91 @@ impl ServerDead {
         }
         ServerId::parse(&self.server_id)
     }
+}
+
+/// How deep MessagePack values may nest (the payload itself is depth 1; unknown keys may
+/// carry a little structure of their own).
+const MAX_NESTING: usize = 32;
+
+/// Walks a MessagePack document without recursion before anything decodes it: at most
+/// `max_depth` levels of arrays and maps, exactly one value, and no declared length
+/// (string, binary, array, map) larger than the bytes that are actually there. Hostile
+/// payloads are refused here without deep recursion (a stack overflow would kill the
+/// worker) and without allocating what a length header claims.
+fn check_structure(bytes: &[u8], max_depth: usize) -> Result<(), String> {
+    let mut pos = 0usize;
+    // Values still to read at each open level (the document itself is one value).
+    let mut pending: Vec<u64> = vec![1];
+    let take = |pos: &mut usize, n: usize| -> Result<u64, String> {
+        let end = pos
+            .checked_add(n)
+            .filter(|&e| e <= bytes.len())
+            .ok_or("truncated")?;
+        let v = bytes[*pos..end]
+            .iter()
+            .fold(0u64, |acc, &b| (acc << 8) | u64::from(b));
+        *pos = end;
+        Ok(v)
+    };
+    while let Some(left) = pending.last_mut() {
+        if *left == 0 {
+            pending.pop();
+            continue;
+        }
+        *left -= 1;
+        let marker = *bytes.get(pos).ok_or("truncated")?;
+        pos += 1;
+        // (bytes of payload to skip, elements of a new level)
+        let (skip, children): (u64, u64) = match marker {
+            0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3 => (0, 0),
+            0x80..=0x8f => (0, u64::from(marker & 0x0f) * 2),
+            0x90..=0x9f => (0, u64::from(marker & 0x0f)),
+            0xa0..=0xbf => (u64::from(marker & 0x1f), 0),
+            0xc4 | 0xd9 => (take(&mut pos, 1)?, 0),
+            0xc5 | 0xda => (take(&mut pos, 2)?, 0),
+            0xc6 | 0xdb => (take(&mut pos, 4)?, 0),
+            0xc7 => (take(&mut pos, 1)? + 1, 0),
+            0xc8 => (take(&mut pos, 2)? + 1, 0),
+            0xc9 => (take(&mut pos, 4)? + 1, 0),
+            0xca => (4, 0),
+            0xcb => (8, 0),
+            0xcc | 0xd0 => (1, 0),
+            0xcd | 0xd1 => (2, 0),
+            0xce | 0xd2 => (4, 0),
+            0xcf | 0xd3 => (8, 0),
+            0xd4 => (2, 0),
+            0xd5 => (3, 0),
+            0xd6 => (5, 0),
+            0xd7 => (9, 0),
+            0xd8 => (17, 0),
+            0xdc => (0, take(&mut pos, 2)?),
+            0xdd => (0, take(&mut pos, 4)?),
+            0xde => (0, take(&mut pos, 2)? * 2),
+            0xdf => (0, take(&mut pos, 4)? * 2),
+            0xc1 => return Err("invalid MessagePack marker 0xc1".into()),
+        };
+        let remaining = (bytes.len() - pos) as u64;
+        if skip > remaining || children > remaining {
+            return Err(format!(
+                "a length of {} exceeds the {remaining} bytes left",
+                skip.max(children)
+            ));
+        }
+        pos += skip as usize;
+        if children > 0 {
+            if pending.len() > max_depth {
+                return Err(format!("values nested deeper than {max_depth} levels"));
+            }
+            pending.push(children);
+        }
+    }
+    if pos != bytes.len() {
+        return Err(format!(
+            "{} bytes after the end of the payload",
+            bytes.len() - pos
+        ));
+    }
+    Ok(())
 }
 
 fn check_len(field: &'static str, value: &str, min: usize, max: usize) -> Result<(), EventError> {
@@ -269,6 +355,88 @@ mod tests {
             ServerDead::decode(&event("gw").encode(), 4),
             Err(EventError::TooLarge { .. })
         ));
+    }
+
+    /// A payload with an unknown key whose value is `depth` nested one-element arrays.
+    fn nested(depth: usize) -> Vec<u8> {
+        let mut p = vec![0x85];
+        for (k, v) in [
+            ("v", vec![0x01]),
+            ("event_id", vec![0xa1, b'e']),
+            ("server_id", vec![0xa2, b'g', b'w']),
+        ] {
+            p.push(0xa0 | k.len() as u8);
+            p.extend_from_slice(k.as_bytes());
+            p.extend(v);
+        }
+        p.extend_from_slice(&[0xae]);
+        p.extend_from_slice(b"detected_at_ms");
+        p.push(0x01);
+        p.extend_from_slice(&[0xa1, b'x']);
+        p.extend(std::iter::repeat_n(0x91, depth));
+        p.push(0xc0);
+        p
+    }
+
+    #[test]
+    fn deep_nesting_is_refused_without_exhausting_the_stack() {
+        assert!(
+            ServerDead::decode(&nested(10), 65536).is_ok(),
+            "shallow unknown values are fine"
+        );
+        // 60,000 levels fit in the 64 KiB limit; decoding stops at rmp-serde's depth limit.
+        let deep = nested(60_000);
+        assert!(deep.len() <= 65536);
+        assert!(matches!(
+            ServerDead::decode(&deep, 65536),
+            Err(EventError::Decode(_))
+        ));
+    }
+
+    #[test]
+    fn huge_length_headers_are_refused_without_allocating() {
+        // Each claims ~4 billion elements or bytes that are not there.
+        for payload in [
+            vec![0xdd, 0xff, 0xff, 0xff, 0xff],                   // array32
+            vec![0xdf, 0xff, 0xff, 0xff, 0xff],                   // map32 at the top
+            vec![0x81, 0xa1, b'x', 0xdb, 0xff, 0xff, 0xff, 0xff], // str32 value
+            vec![0x81, 0xa1, b'x', 0xc6, 0xff, 0xff, 0xff, 0xff], // bin32 value
+            vec![0x81, 0xa1, b'x', 0xdd, 0xff, 0xff, 0xff, 0xff], // array32 value
+        ] {
+            assert!(ServerDead::decode(&payload, 65536).is_err(), "{payload:x?}");
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512)) {
+            let _ = ServerDead::decode(&bytes, 65536);
+        }
+
+        #[test]
+        fn mutated_valid_payloads_decode_or_fail_cleanly(
+            i in 0usize..64, b in proptest::prelude::any::<u8>(), cut in 0usize..64
+        ) {
+            let mut p = event("gw-1#1").encode();
+            let i = i % p.len();
+            p[i] = b;
+            p.truncate(p.len().saturating_sub(cut % 4));
+            if let Ok((e, server)) = ServerDead::decode(&p, 65536) {
+                // Whatever decodes is valid by the contract's rules.
+                proptest::prop_assert_eq!(e.validate(), Ok(server));
+            }
+        }
+
+        #[test]
+        fn any_server_id_that_parses_is_safe_in_a_key(s in "\\PC{0,210}") {
+            if let Ok(id) = ServerId::parse(&s) {
+                let key = crate::keys::Keys::new("").server_users(&id);
+                // Exactly one hash tag, and it is this server's.
+                proptest::prop_assert_eq!(key.matches('{').count(), 1);
+                proptest::prop_assert_eq!(key.matches('}').count(), 1);
+                proptest::prop_assert!(!key.contains(char::is_whitespace));
+            }
+        }
     }
 
     #[test]

@@ -210,7 +210,7 @@ async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
             let server = ServerId::parse(&server_id).context("SERVER_ID")?;
             let event = ServerDead::new(&server, reason, Some(source));
             event.validate().context("the event")?;
-            let conn = conn::shared(&conn::client(&settings.redis_url)?)?;
+            let conn = conn::shared(&conn::client_for(&settings)?)?;
             let keys = Keys::new(settings.key_prefix.clone());
             let id = stream::publish_event(&conn, &keys, &event.encode())
                 .await
@@ -257,7 +257,7 @@ async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
             }
         }
         Command::DeadLetters { action } => {
-            let conn = conn::shared(&conn::client(&settings.redis_url)?)?;
+            let conn = conn::shared(&conn::client_for(&settings)?)?;
             let keys = Keys::new(settings.key_prefix.clone());
             dead_letters_command(action, &conn, &keys).await?;
         }

@@ -130,7 +130,7 @@ pub struct Reconciler {
 
 impl Reconciler {
     pub fn new(settings: &Settings, metrics: Metrics) -> Result<Self> {
-        let client = conn::client(&settings.redis_url)?;
+        let client = conn::client_for(settings)?;
         // The pass loop sleeps a whole interval between beats.
         let stall_after = Duration::from_millis(settings.reconcile_interval_ms.saturating_mul(3))
             .max(Duration::from_secs(60));
@@ -263,6 +263,9 @@ impl Reconciler {
                 .into_iter()
                 .filter_map(|(m, score)| ServerId::parse(&m).ok().map(|s| (s, score)))
                 .collect();
+            if servers.is_empty() {
+                return Ok(live); // (an empty pipeline is an error in redis-rs)
+            }
             let mut pipe = redis::pipe();
             for (s, _) in &servers {
                 pipe.exists(self.keys.server_alive(s));

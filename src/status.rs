@@ -49,7 +49,7 @@ impl Status {
 
 /// Collects the status from the Redis of `settings`.
 pub async fn collect(settings: &Settings) -> Result<Status> {
-    let conn = conn::shared(&conn::client(&settings.redis_url)?)?;
+    let conn = conn::shared(&conn::client_for(settings)?)?;
     let keys = Keys::new(settings.key_prefix.clone());
     let mut status = collect_from(&conn, &keys).await?;
     status.servers_dead =

@@ -62,7 +62,7 @@ pub struct Worker {
 impl Worker {
     /// Builds a worker from validated settings. Does not touch Redis yet.
     pub fn new(settings: &Settings, metrics: Metrics) -> Result<Self> {
-        let client = conn::client(&settings.redis_url)?;
+        let client = conn::client_for(settings)?;
         let keys = Keys::new(settings.key_prefix.clone());
         Ok(Worker {
             cleaner: Cleaner::new(

@@ -394,3 +394,39 @@ async fn events_published_before_the_first_worker_are_processed() {
     assert_eq!(worker.metrics.events_with(outcome::CLEANED), 1);
     worker.stop().await;
 }
+
+/// User ids are 1 to 512 arbitrary bytes: glob characters, braces, spaces, newlines,
+/// invalid UTF-8 and the longest allowed id all go through the cleanup like any other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn user_ids_with_any_bytes_are_cleaned() {
+    for layout in [Layout::Hash, Layout::Keys] {
+        let f = Fixture::new(layout);
+        let (dead, live) = (server("gw-bytes#1"), server("gw-live#1"));
+        let odd: Vec<Vec<u8>> = vec![
+            b"*".to_vec(),
+            b"user:{x}".to_vec(),
+            b"a b\nc\r\n".to_vec(),
+            vec![0xff, 0xfe, 0x00, 0x01],
+            b"?[]\\".to_vec(),
+            vec![b'x'; 512],
+            b"moved \xff".to_vec(),
+        ];
+        for u in &odd {
+            f.registry.register(&f.conn, u, &dead).await.unwrap();
+        }
+        f.reconnect(b"moved \xff", &live).await;
+        let worker = spawn_worker(&f.settings);
+        f.kill(&dead).await;
+        f.wait_idle().await;
+        for u in &odd[..6] {
+            assert_eq!(f.owner(u).await, None, "{layout:?}: {u:?} still registered");
+        }
+        assert_eq!(
+            f.owner(b"moved \xff").await.as_deref(),
+            Some("gw-live#1"),
+            "{layout:?}"
+        );
+        assert_eq!(worker.metrics.entries_deleted.get(), 6);
+        worker.stop().await;
+    }
+}

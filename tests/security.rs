@@ -1,0 +1,350 @@
+//! Least privilege, TLS and secrets, against real redis-servers: the ACL roles shipped in
+//! k8s/ run the whole flow and nothing more; rediss:// with a custom CA and client
+//! certificates; passwords from files and variables never shown.
+
+mod common;
+
+use std::{path::Path, process::Output, time::Duration};
+
+use common::*;
+use rcgen::{
+    BasicConstraints, CertificateParams, CertifiedIssuer, DistinguishedName, DnType, IsCa, KeyPair,
+};
+use registry_janitor::{config::Layout, redis_server::RedisServer};
+
+fn text(out: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A CA, a server certificate for 127.0.0.1 and a client certificate, as PEM files in `dir`.
+/// Every certificate gets its own name: a leaf whose subject equals its issuer's looks
+/// self-signed to OpenSSL.
+fn certificates(dir: &Path, name: &str) {
+    let named = |mut params: CertificateParams, cn: String| {
+        params.distinguished_name = DistinguishedName::new();
+        params.distinguished_name.push(DnType::CommonName, cn);
+        params
+    };
+    let mut ca_params = named(
+        CertificateParams::new(Vec::<String>::new()).unwrap(),
+        format!("{name} test CA"),
+    );
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
+    std::fs::write(dir.join(format!("{name}-ca.pem")), ca.pem()).unwrap();
+    for (who, sans) in [
+        (
+            "server",
+            vec!["127.0.0.1".to_owned(), "localhost".to_owned()],
+        ),
+        ("client", vec!["janitor".to_owned()]),
+    ] {
+        let key = KeyPair::generate().unwrap();
+        let params = named(
+            CertificateParams::new(sans).unwrap(),
+            format!("{name} {who}"),
+        );
+        let cert = params.signed_by(&key, &ca).unwrap();
+        std::fs::write(dir.join(format!("{name}-{who}.pem")), cert.pem()).unwrap();
+        std::fs::write(
+            dir.join(format!("{name}-{who}-key.pem")),
+            key.serialize_pem(),
+        )
+        .unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_flow_runs_over_mutual_tls_and_a_wrong_ca_fails_fast() {
+    let dir = tempfile::tempdir().unwrap();
+    certificates(dir.path(), "good");
+    certificates(dir.path(), "other");
+    let p = |f: &str| dir.path().join(f).to_string_lossy().into_owned();
+    let tls_addr = free_addr();
+    let tls_port = tls_addr.rsplit(':').next().unwrap().to_owned();
+    let server = redis_with(&[
+        "--tls-port",
+        &tls_port,
+        "--tls-cert-file",
+        &p("good-server.pem"),
+        "--tls-key-file",
+        &p("good-server-key.pem"),
+        "--tls-ca-cert-file",
+        &p("good-ca.pem"),
+        "--tls-auth-clients",
+        "yes",
+    ]);
+    // Seeding goes over the plain port; the janitor talks TLS only.
+    let f = Fixture::on(server, Layout::Hash, |_| {});
+    let dead = server_id("gw-tls#1");
+    f.seed(&dead, 2_000).await;
+    let mut tls = f.settings.clone();
+    tls.redis_url = format!("rediss://127.0.0.1:{tls_port}");
+    let tls_env = |ca: &str, cert: &str, key: &str| {
+        vec![
+            ("JANITOR_REDIS_URL".to_owned(), tls.redis_url.clone()),
+            ("JANITOR_TLS_CA_FILE".to_owned(), p(ca)),
+            ("JANITOR_TLS_CERT_FILE".to_owned(), p(cert)),
+            ("JANITOR_TLS_KEY_FILE".to_owned(), p(key)),
+        ]
+    };
+    let good = tls_env("good-ca.pem", "good-client.pem", "good-client-key.pem");
+
+    let out = janitor(&tls)
+        .envs(good.clone())
+        .args(["emit", "server-dead", "gw-tls#1"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{:?}", text(&out));
+    let worker = {
+        let env: Vec<(&str, &str)> = good.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        WorkerProcess::start_with(&tls, &env)
+    };
+    f.wait_idle().await;
+    assert_eq!(f.still_pointing(&dead, 2_000).await, 0, "cleaned over TLS");
+    worker.signal("TERM");
+    let (status, log) = worker.wait(Duration::from_secs(10));
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+
+    // A CA that did not sign the server's certificate: a clear error, quickly.
+    let wrong = tls_env("other-ca.pem", "good-client.pem", "good-client-key.pem");
+    let started = std::time::Instant::now();
+    let out = janitor(&tls)
+        .envs(wrong.clone())
+        .args(["status"])
+        .output()
+        .unwrap();
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success());
+    assert!(stderr.to_lowercase().contains("certificate"), "{stderr}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        started.elapsed()
+    );
+    // A worker with the wrong CA stops at start-up with the reason, instead of retrying.
+    let env: Vec<(&str, &str)> = wrong
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    let worker = WorkerProcess::start_with(&tls, &env);
+    let (status, log) = worker.wait(Duration::from_secs(15));
+    assert_eq!(
+        status.and_then(|s| s.code()),
+        Some(1),
+        "the worker must stop: {log}"
+    );
+    assert!(log.to_lowercase().contains("certificate"), "{log}");
+
+    // Without a client certificate the server (tls-auth-clients yes) refuses the client.
+    let mut no_client = tls_env("good-ca.pem", "good-client.pem", "good-client-key.pem");
+    no_client.truncate(2);
+    let out = janitor(&tls)
+        .envs(no_client)
+        .args(["status"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "{:?}", text(&out));
+
+    // TLS files with a plain URL are a setting error.
+    let out = janitor(&f.settings)
+        .envs([("JANITOR_TLS_CA_FILE", p("good-ca.pem"))])
+        .args(["status"])
+        .output()
+        .unwrap();
+    let (_, stderr) = text(&out);
+    assert!(
+        stderr.contains("tls_ca_file") && stderr.contains("rediss://"),
+        "{stderr}"
+    );
+}
+
+fn server_id(s: &str) -> registry_janitor::event::ServerId {
+    server(s)
+}
+
+/// Loads the ACL users of k8s/redis-acl.example.conf, each with password `pw-<name>`.
+fn load_acl_users(redis: &RedisServer) -> Vec<String> {
+    let conf = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/k8s/redis-acl.example.conf"
+    ))
+    .unwrap();
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut c = client.get_connection().unwrap();
+    let mut names = Vec::new();
+    for line in conf.lines().filter(|l| l.starts_with("user ")) {
+        let mut tokens: Vec<String> = line.split_whitespace().skip(1).map(str::to_owned).collect();
+        let name = tokens.remove(0);
+        for t in tokens.iter_mut().filter(|t| t.starts_with('#')) {
+            *t = format!(">pw-{name}");
+        }
+        let () = redis::cmd("ACL")
+            .arg("SETUSER")
+            .arg(&name)
+            .arg(&tokens)
+            .query(&mut c)
+            .unwrap();
+        names.push(name);
+    }
+    names
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_role_runs_the_flow_with_only_its_acl_rules() {
+    let f = Fixture::with(Layout::Hash, |s| {
+        s.key_prefix = String::new(); // the shipped rules name the keys without a prefix
+        s.reconcile_interval_ms = 200;
+    });
+    let users = load_acl_users(&f.redis);
+    for role in [
+        "janitor-worker",
+        "janitor-reconciler",
+        "janitor-emitter",
+        "janitor-operator",
+    ] {
+        assert!(
+            users.iter().any(|u| u == role),
+            "{role} missing from the ACL example"
+        );
+    }
+    let as_role = |role: &str| {
+        let mut s = f.settings.clone();
+        s.redis_url = f
+            .redis
+            .url()
+            .replace("redis://", &format!("redis://{role}:pw-{role}@"));
+        s
+    };
+    let (announced, silent) = (server("gw-announced#1"), server("gw-silent#1"));
+    f.seed(&announced, 1_000).await;
+    f.seed(&silent, 1_000).await;
+    // gw-silent stopped heartbeating long ago; nobody announced its death.
+    let _: () = f
+        .query(
+            redis::cmd("ZADD")
+                .arg(f.keys.servers())
+                .arg(1)
+                .arg(silent.as_str()),
+        )
+        .await;
+    let _: () = f
+        .query(redis::cmd("DEL").arg(f.keys.server_alive(&silent)))
+        .await;
+
+    let worker = WorkerProcess::start(&as_role("janitor-worker"));
+    let out = janitor(&as_role("janitor-emitter"))
+        .args(["emit", "server-dead", "gw-announced#1"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "emitter: {:?}", text(&out));
+    let out = janitor(&as_role("janitor-reconciler"))
+        .args(["reconcile", "--once"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "reconciler: {:?}", text(&out));
+    assert!(text(&out).0.contains("1 published"), "{:?}", text(&out));
+    f.wait_idle().await;
+    assert_eq!(f.still_pointing(&announced, 1_000).await, 0);
+    assert_eq!(f.still_pointing(&silent, 1_000).await, 0);
+    let out = janitor(&as_role("janitor-operator"))
+        .args(["status", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "operator status: {:?}", text(&out));
+    let out = janitor(&as_role("janitor-operator"))
+        .args(["dead-letters", "list"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "operator dead-letters: {:?}",
+        text(&out)
+    );
+    worker.signal("TERM");
+    let (status, log) = worker.wait(Duration::from_secs(10));
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert!(
+        !log.to_lowercase().contains("no permissions"),
+        "the worker needed a permission it lacks:\n{log}"
+    );
+
+    // Outside its rules a role fails, and the error names what was refused.
+    let out = janitor(&as_role("janitor-emitter"))
+        .args(["status"])
+        .output()
+        .unwrap();
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("no permissions to run the 'xlen' command"),
+        "{stderr}"
+    );
+    let out = janitor(&as_role("janitor-worker"))
+        .args(["dead-letters", "purge", "--all", "--yes"])
+        .output()
+        .unwrap();
+    let (_, stderr) = text(&out);
+    assert!(
+        !out.status.success() && stderr.contains("no permissions"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn passwords_come_from_a_file_or_a_variable_and_are_never_shown() {
+    let f = Fixture::on(
+        redis_with(&["--requirepass", "hunter2-pw"]),
+        Layout::Hash,
+        |s| {
+            s.redis_url = s.redis_url.replace("redis://", "redis://:hunter2-pw@");
+        },
+    );
+    let dead = server("gw-pw#1");
+    f.seed(&dead, 100).await;
+    f.kill(&dead).await;
+    let plain = {
+        let mut s = f.settings.clone();
+        s.redis_url = f.redis.url();
+        s
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("password");
+    std::fs::write(&file, "hunter2-pw\n").unwrap();
+
+    let worker = WorkerProcess::start_with(
+        &plain,
+        &[("JANITOR_REDIS_PASSWORD_FILE", file.to_str().unwrap())],
+    );
+    f.wait_idle().await;
+    worker.signal("TERM");
+    let (status, log) = worker.wait(Duration::from_secs(10));
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert!(!log.contains("hunter2"), "{log}");
+    assert_eq!(f.still_pointing(&dead, 100).await, 0);
+
+    let out = janitor(&plain)
+        .env("JANITOR_REDIS_PASSWORD", "hunter2-pw")
+        .args(["status", "--json"])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(!stdout.contains("hunter2") && !stderr.contains("hunter2"));
+    // A wrong password: a clear error that does not repeat the password.
+    let out = janitor(&plain)
+        .env("JANITOR_REDIS_PASSWORD", "wrong-secret")
+        .args(["status"])
+        .output()
+        .unwrap();
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success());
+    assert!(!stderr.contains("wrong-secret"), "{stderr}");
+    assert!(
+        stderr.contains("WRONGPASS") || stderr.to_lowercase().contains("auth"),
+        "{stderr}"
+    );
+}
