@@ -24,7 +24,9 @@ use std::{
 };
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
-use redis::aio::{ConnectionManager, MultiplexedConnection};
+use redis::aio::MultiplexedConnection;
+
+use crate::conn::RedisConn;
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
@@ -118,6 +120,12 @@ impl Report {
 
 /// Runs the benchmark; `worker_exe` is the `registry-janitor` binary to start workers from.
 pub async fn run(settings: &Settings, options: &Options, worker_exe: &Path) -> Result<Report> {
+    if settings.redis_cluster {
+        return Err(Error::Setting {
+            name: "redis_cluster".into(),
+            reason: "this command does not support Redis Cluster yet (the workers do)".into(),
+        });
+    }
     let (url, _private) = find_redis(&settings.redis_url).await?;
     let mut settings = settings.clone();
     settings.redis_url = url;
@@ -293,7 +301,7 @@ impl Scene {
         self.moved_every > 0 && n % self.moved_every == 0
     }
 
-    async fn seed(&self, conn: &ConnectionManager) -> Result<()> {
+    async fn seed(&self, conn: &RedisConn) -> Result<()> {
         self.registry.heartbeat(conn, &self.live, 600_000).await?;
         let _: () = redis::cmd("ZADD")
             .arg(self.keys.servers())
@@ -323,7 +331,7 @@ impl Scene {
     }
 
     /// (stale left, live lost)
-    async fn verify(&self, conn: &ConnectionManager) -> Result<(u64, u64)> {
+    async fn verify(&self, conn: &RedisConn) -> Result<(u64, u64)> {
         let (mut stale, mut lost) = (0, 0);
         for start in (0..self.users).step_by(1000) {
             let ids: Vec<Vec<u8>> = (start..self.users.min(start + 1000))
@@ -375,7 +383,7 @@ fn scene(settings: &Settings, root: &str, name: &str, users: usize, options: &Op
 }
 
 /// Redis main-thread CPU seconds so far.
-async fn redis_cpu(conn: &ConnectionManager) -> Result<f64> {
+async fn redis_cpu(conn: &RedisConn) -> Result<f64> {
     let info: String = redis::cmd("INFO")
         .arg("cpu")
         .query_async(&mut conn.clone())
@@ -445,7 +453,7 @@ async fn probe_lookups(
 /// verifies the registry.
 async fn measure<F, Fut>(
     settings: &Settings,
-    conn: &ConnectionManager,
+    conn: &RedisConn,
     scene: &Scene,
     name: &str,
     work: F,
@@ -498,7 +506,7 @@ where
 
 async fn janitor_run(
     settings: &Settings,
-    conn: &ConnectionManager,
+    conn: &RedisConn,
     root: &str,
     name: &str,
     users: usize,
@@ -621,7 +629,7 @@ static CAREFUL_CHUNK: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::
 
 async fn reference_run(
     settings: &Settings,
-    conn: &ConnectionManager,
+    conn: &RedisConn,
     root: &str,
     which: Reference,
     users: usize,
@@ -647,7 +655,7 @@ async fn reference_run(
     run
 }
 
-async fn sscan(conn: &ConnectionManager, key: &str, cursor: u64) -> Result<(u64, Vec<Vec<u8>>)> {
+async fn sscan(conn: &RedisConn, key: &str, cursor: u64) -> Result<(u64, Vec<Vec<u8>>)> {
     Ok(redis::cmd("SSCAN")
         .arg(key)
         .arg(cursor)
@@ -657,7 +665,7 @@ async fn sscan(conn: &ConnectionManager, key: &str, cursor: u64) -> Result<(u64,
         .await?)
 }
 
-async fn unconditional(conn: &ConnectionManager, scene: &Scene, layout: Layout) -> Result<()> {
+async fn unconditional(conn: &RedisConn, scene: &Scene, layout: Layout) -> Result<()> {
     let set = scene.keys.server_users(&scene.dead);
     let mut in_flight = FuturesUnordered::new();
     let mut cursor = 0;
@@ -690,7 +698,7 @@ async fn unconditional(conn: &ConnectionManager, scene: &Scene, layout: Layout) 
     Ok(())
 }
 
-async fn careful(conn: &ConnectionManager, scene: &Scene, layout: Layout) -> Result<()> {
+async fn careful(conn: &RedisConn, scene: &Scene, layout: Layout) -> Result<()> {
     let set = scene.keys.server_users(&scene.dead);
     let mut cursor = 0;
     loop {
@@ -715,7 +723,7 @@ async fn careful(conn: &ConnectionManager, scene: &Scene, layout: Layout) -> Res
     Ok(())
 }
 
-async fn naive(conn: &ConnectionManager, scene: &Scene, layout: Layout) -> Result<()> {
+async fn naive(conn: &RedisConn, scene: &Scene, layout: Layout) -> Result<()> {
     let set = scene.keys.server_users(&scene.dead);
     let mut c = conn.clone();
     let mut cursor = 0;

@@ -15,8 +15,8 @@
 
 use std::sync::LazyLock;
 
+use crate::conn::RedisConn;
 use futures_util::stream::{FuturesUnordered, StreamExt};
-use redis::aio::ConnectionManager;
 use tokio_util::sync::CancellationToken;
 
 use crate::{
@@ -98,7 +98,7 @@ impl Cleaner {
     /// resumable); `on_step` sees every step as it completes.
     pub async fn clean(
         &self,
-        conn: &ConnectionManager,
+        conn: &RedisConn,
         server: &ServerId,
         stop: &CancellationToken,
         mut on_step: impl FnMut(&Step),
@@ -133,11 +133,7 @@ impl Cleaner {
 
     /// How far the cleanup of `server` has got: `Some(members scanned)` while under
     /// way (0 before the first step), `None` once the server is clean (no reverse set).
-    pub async fn progress(
-        &self,
-        conn: &ConnectionManager,
-        server: &ServerId,
-    ) -> Result<Option<u64>> {
+    pub async fn progress(&self, conn: &RedisConn, server: &ServerId) -> Result<Option<u64>> {
         let (exists, scanned): (bool, Option<u64>) = redis::pipe()
             .exists(self.keys.server_users(server))
             .hget(self.keys.server_cleanup(server), "scanned")
@@ -148,7 +144,7 @@ impl Cleaner {
 
     /// Notes why cleaning `server` failed, in its progress record, so that the worker
     /// that finally dead-letters the event can say why (best effort).
-    pub async fn record_failure(&self, conn: &ConnectionManager, server: &ServerId, error: &str) {
+    pub async fn record_failure(&self, conn: &RedisConn, server: &ServerId, error: &str) {
         let _: redis::RedisResult<()> = redis::cmd("HSET")
             .arg(self.keys.server_cleanup(server))
             .arg("last_error")
@@ -158,11 +154,7 @@ impl Cleaner {
     }
 
     /// The last failure noted for `server`, if any.
-    pub async fn last_failure(
-        &self,
-        conn: &ConnectionManager,
-        server: &ServerId,
-    ) -> Option<String> {
+    pub async fn last_failure(&self, conn: &RedisConn, server: &ServerId) -> Option<String> {
         redis::cmd("HGET")
             .arg(self.keys.server_cleanup(server))
             .arg("last_error")
@@ -173,7 +165,7 @@ impl Cleaner {
     }
 
     /// One call of the step script.
-    pub async fn step(&self, conn: &ConnectionManager, server: &ServerId) -> Result<Step> {
+    pub async fn step(&self, conn: &RedisConn, server: &ServerId) -> Result<Step> {
         let layout = match self.layout {
             Layout::Hash => "hash",
             Layout::Keys => "keys",

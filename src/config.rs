@@ -62,6 +62,12 @@ impl std::fmt::Debug for Secret {
 pub struct Settings {
     /// Where the registry, the stream and the group live.
     pub redis_url: String,
+    /// Talk to a Redis Cluster: `redis_url` is a seed node.
+    #[serde(default)]
+    pub redis_cluster: bool,
+    /// More seed nodes of the cluster (URLs), tried when `redis_url` is down.
+    #[serde(default)]
+    pub redis_cluster_seeds: Vec<String>,
     /// Password overriding the URL's (`JANITOR_REDIS_PASSWORD`).
     #[serde(default)]
     pub redis_password: Option<Secret>,
@@ -257,6 +263,20 @@ impl Settings {
         }
         if let Err(e) = self.metrics_listen_addr() {
             return bad("metrics_addr", e);
+        }
+        for seed in &self.redis_cluster_seeds {
+            if redis::parse_redis_url(seed).is_none() {
+                return bad(
+                    "redis_cluster_seeds",
+                    format!("not a redis:// URL: {}", crate::conn::redact_url(seed)),
+                );
+            }
+        }
+        if self.redis_cluster && (self.tls_ca_file.is_some() || self.tls_cert_file.is_some()) {
+            return bad(
+                "redis_cluster",
+                "TLS certificate files are not supported with a cluster yet",
+            );
         }
         let tls_url = self.redis_url.starts_with("rediss://");
         for (name, file) in [

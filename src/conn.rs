@@ -9,12 +9,18 @@
 //!
 //! Both are created lazily: a worker starts while Redis is down and its retry loops
 //! connect when Redis comes back.
+//!
+//! With `redis_cluster = true` both are cluster connections instead ([`RedisConn`] is
+//! either): commands are routed by slot, and the code that touches several keys at once
+//! (scripts, MULTI, pipelines) takes the cluster's one-slot rule into account where
+//! [`RedisConn::is_cluster`] says so.
 
 use std::time::Duration;
 
 use redis::{
     aio::{ConnectionManager, ConnectionManagerConfig},
-    IntoConnectionInfo,
+    cluster_async::ClusterConnection,
+    IntoConnectionInfo, RedisFuture,
 };
 
 use crate::{
@@ -95,20 +101,114 @@ fn config(response_timeout: Duration) -> ConnectionManagerConfig {
         .set_number_of_retries(2)
 }
 
+/// A connection to one Redis node, or to a Redis Cluster. Cheap to clone: clones share
+/// the underlying multiplexed connection.
+#[derive(Clone)]
+pub enum RedisConn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl RedisConn {
+    /// True on a Redis Cluster: multi-key commands, scripts and pipelines must stay in
+    /// one slot there.
+    pub fn is_cluster(&self) -> bool {
+        matches!(self, RedisConn::Cluster(_))
+    }
+}
+
+impl redis::aio::ConnectionLike for RedisConn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> RedisFuture<'a, redis::Value> {
+        match self {
+            RedisConn::Single(c) => c.req_packed_command(cmd),
+            RedisConn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<redis::Value>> {
+        match self {
+            RedisConn::Single(c) => c.req_packed_commands(cmd, offset, count),
+            RedisConn::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            RedisConn::Single(c) => c.get_db(),
+            RedisConn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// Where to connect: one node, or the seed nodes of a cluster.
+#[derive(Clone)]
+// Built once at start-up: the size difference of the variants does not matter.
+#[allow(clippy::large_enum_variant)]
+pub enum Target {
+    Single(redis::Client),
+    Cluster(redis::cluster::ClusterClient),
+}
+
+/// The target the settings describe (see [`client_for`]; a cluster when `redis_cluster`).
+pub fn target_for(settings: &Settings) -> Result<Target> {
+    if !settings.redis_cluster {
+        return Ok(Target::Single(client_for(settings)?));
+    }
+    install_crypto_provider();
+    let mut seeds = vec![settings.redis_url.clone()];
+    seeds.extend(settings.redis_cluster_seeds.iter().cloned());
+    let mut builder = redis::cluster::ClusterClientBuilder::new(seeds)
+        .connection_timeout(CONNECT_TIMEOUT)
+        .response_timeout(COMMAND_TIMEOUT)
+        .retries(6);
+    if let Some(password) = settings.redis_password()? {
+        builder = builder.password(password.expose());
+    }
+    Ok(Target::Cluster(builder.build()?))
+}
+
 /// The shared connection for short commands.
-pub fn shared(client: &redis::Client) -> Result<ConnectionManager> {
-    Ok(ConnectionManager::new_lazy_with_config(
-        client.clone(),
-        config(COMMAND_TIMEOUT),
-    )?)
+pub async fn shared_for(target: &Target) -> Result<RedisConn> {
+    match target {
+        Target::Single(client) => shared(client),
+        Target::Cluster(client) => Ok(RedisConn::Cluster(client.get_async_connection().await?)),
+    }
 }
 
 /// A dedicated connection for commands that block up to `block`.
-pub fn blocking(client: &redis::Client, block: Duration) -> Result<ConnectionManager> {
-    Ok(ConnectionManager::new_lazy_with_config(
+pub async fn blocking_for(target: &Target, block: Duration) -> Result<RedisConn> {
+    match target {
+        Target::Single(client) => blocking(client, block),
+        Target::Cluster(client) => {
+            let config = redis::cluster::ClusterConfig::new()
+                .set_response_timeout(block + COMMAND_TIMEOUT)
+                .set_connection_timeout(CONNECT_TIMEOUT);
+            Ok(RedisConn::Cluster(
+                client.get_async_connection_with_config(config).await?,
+            ))
+        }
+    }
+}
+
+/// The shared connection for short commands (one node).
+pub fn shared(client: &redis::Client) -> Result<RedisConn> {
+    Ok(RedisConn::Single(ConnectionManager::new_lazy_with_config(
+        client.clone(),
+        config(COMMAND_TIMEOUT),
+    )?))
+}
+
+/// A dedicated connection for commands that block up to `block` (one node).
+pub fn blocking(client: &redis::Client, block: Duration) -> Result<RedisConn> {
+    Ok(RedisConn::Single(ConnectionManager::new_lazy_with_config(
         client.clone(),
         config(block + COMMAND_TIMEOUT),
-    )?)
+    )?))
 }
 
 /// The URL with any password replaced by `***`, for logs and error messages.

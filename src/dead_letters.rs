@@ -6,7 +6,7 @@
 //! stream, deleting the dead letter in the same MULTI, so an entry is never in both
 //! streams nor in neither.
 
-use redis::aio::ConnectionManager;
+use crate::conn::RedisConn;
 use serde::Serialize;
 
 use crate::{
@@ -66,7 +66,7 @@ pub fn original_fields(dead: &Entry) -> Vec<(Vec<u8>, Vec<u8>)> {
 }
 
 /// The oldest `count` dead letters.
-pub async fn list(conn: &ConnectionManager, keys: &Keys, count: usize) -> Result<Vec<DeadLetter>> {
+pub async fn list(conn: &RedisConn, keys: &Keys, count: usize) -> Result<Vec<DeadLetter>> {
     Ok(read(conn, keys, count, None)
         .await?
         .iter()
@@ -74,12 +74,7 @@ pub async fn list(conn: &ConnectionManager, keys: &Keys, count: usize) -> Result
         .collect())
 }
 
-async fn read(
-    conn: &ConnectionManager,
-    keys: &Keys,
-    count: usize,
-    id: Option<&str>,
-) -> Result<Vec<Entry>> {
+async fn read(conn: &RedisConn, keys: &Keys, count: usize, id: Option<&str>) -> Result<Vec<Entry>> {
     let (start, end) = id.map_or(("-", "+"), |i| (i, i));
     let reply: redis::Value = redis::cmd("XRANGE")
         .arg(keys.dead_letters())
@@ -102,7 +97,7 @@ async fn read(
 /// Publishes dead letters `ids` (all of them, oldest first, when empty) again on the
 /// events stream. Returns (dead-letter id, new events id) pairs.
 pub async fn replay(
-    conn: &ConnectionManager,
+    conn: &RedisConn,
     keys: &Keys,
     ids: &[String],
 ) -> Result<Vec<(String, String)>> {
@@ -144,7 +139,7 @@ pub async fn replay(
 
 /// Deletes dead letters `ids`, or the whole dead-letter stream when `ids` is empty.
 /// Returns how many were deleted.
-pub async fn purge(conn: &ConnectionManager, keys: &Keys, ids: &[String]) -> Result<u64> {
+pub async fn purge(conn: &RedisConn, keys: &Keys, ids: &[String]) -> Result<u64> {
     let mut c = conn.clone();
     if ids.is_empty() {
         let (n, _): (u64, i64) = redis::pipe()

@@ -17,9 +17,9 @@ use std::{
     time::{Duration, Instant},
 };
 
+use crate::conn::RedisConn;
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::{seq::SliceRandom, Rng};
-use redis::aio::ConnectionManager;
 use tokio_util::sync::CancellationToken;
 
 use crate::{
@@ -132,6 +132,12 @@ pub async fn run(settings: &Settings, options: &Options) -> Result<Summary> {
             reason: "needs at least 2 servers and 1 to servers-1 dead ones".into(),
         });
     }
+    if settings.redis_cluster {
+        return Err(Error::Setting {
+            name: "redis_cluster".into(),
+            reason: "this command does not support Redis Cluster yet (the workers do)".into(),
+        });
+    }
     let (url, _private) = find_redis(&settings.redis_url).await?;
     let mut settings = settings.clone();
     settings.redis_url = url;
@@ -154,7 +160,7 @@ pub async fn run(settings: &Settings, options: &Options) -> Result<Summary> {
 async fn run_in(
     settings: &Settings,
     options: &Options,
-    conn: &ConnectionManager,
+    conn: &RedisConn,
     keys: &Keys,
 ) -> Result<Summary> {
     let registry = Registry::new(keys.clone(), settings.layout);
@@ -188,7 +194,7 @@ async fn run_in(
     for _ in 0..options.workers {
         let m = Metrics::new();
         metrics.push(m.clone());
-        let w = Worker::new(settings, m)?;
+        let w = Worker::new(settings, m).await?;
         workers.push(tokio::spawn(w.run(stop.child_token())));
     }
     let started = Instant::now();
@@ -268,7 +274,7 @@ pub(crate) async fn find_redis(url: &str) -> Result<(String, Option<RedisServer>
 
 async fn seed(
     registry: &Registry,
-    conn: &ConnectionManager,
+    conn: &RedisConn,
     servers: &[ServerId],
     users: usize,
 ) -> Result<()> {
@@ -291,7 +297,7 @@ async fn seed(
 
 /// Shows cleanup progress until every event is acknowledged.
 async fn wait_with_progress(
-    conn: &ConnectionManager,
+    conn: &RedisConn,
     keys: &Keys,
     dead: &[ServerId],
     users: u64,
@@ -323,7 +329,7 @@ async fn wait_with_progress(
 
 async fn verify(
     registry: &Registry,
-    conn: &ConnectionManager,
+    conn: &RedisConn,
     dead: &[ServerId],
     live: &[ServerId],
     users: usize,
@@ -367,7 +373,7 @@ async fn verify(
 }
 
 /// Deletes every key under `prefix` (SCAN + UNLINK, in batches).
-pub async fn delete_prefixed(conn: &ConnectionManager, prefix: &str) -> Result<()> {
+pub async fn delete_prefixed(conn: &RedisConn, prefix: &str) -> Result<()> {
     let mut c = conn.clone();
     let pattern = format!("{}*", crate::reconcile::glob_escape(prefix));
     let mut cursor: u64 = 0;

@@ -16,12 +16,12 @@ use std::{
     time::Duration,
 };
 
+use crate::conn::RedisConn;
 use http_body_util::Full;
 use hyper::{
     body::Bytes, server::conn::http1, service::service_fn, Method, Request, Response, StatusCode,
 };
 use hyper_util::rt::{TokioIo, TokioTimer};
-use redis::aio::ConnectionManager;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info};
@@ -65,7 +65,7 @@ impl Health {
 /// Readiness: can this process do its job right now?
 #[derive(Clone)]
 pub struct Readiness {
-    pub conn: ConnectionManager,
+    pub conn: RedisConn,
     pub keys: Keys,
     /// Workers also need the consumer group; the reconciler does not.
     pub needs_group: bool,

@@ -188,7 +188,7 @@ async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
         Command::Worker => {
             let shutdown = shutdown_on_signals();
             let metrics = Metrics::new();
-            let worker = Worker::new(&settings, metrics.clone())?;
+            let worker = Worker::new(&settings, metrics.clone()).await?;
             serve_metrics(
                 &settings,
                 metrics,
@@ -210,7 +210,7 @@ async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
             let server = ServerId::parse(&server_id).context("SERVER_ID")?;
             let event = ServerDead::new(&server, reason, Some(source));
             event.validate().context("the event")?;
-            let conn = conn::shared(&conn::client_for(&settings)?)?;
+            let conn = conn::shared_for(&conn::target_for(&settings)?).await?;
             let keys = Keys::new(settings.key_prefix.clone());
             let id = stream::publish_event(&conn, &keys, &event.encode())
                 .await
@@ -257,7 +257,7 @@ async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
             }
         }
         Command::DeadLetters { action } => {
-            let conn = conn::shared(&conn::client_for(&settings)?)?;
+            let conn = conn::shared_for(&conn::target_for(&settings)?).await?;
             let keys = Keys::new(settings.key_prefix.clone());
             dead_letters_command(action, &conn, &keys).await?;
         }
@@ -279,7 +279,7 @@ async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
 
 async fn dead_letters_command(
     action: DeadLettersAction,
-    conn: &redis::aio::ConnectionManager,
+    conn: &conn::RedisConn,
     keys: &Keys,
 ) -> anyhow::Result<()> {
     match action {

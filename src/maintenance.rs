@@ -6,7 +6,7 @@
 
 use std::{sync::LazyLock, time::Duration};
 
-use redis::aio::ConnectionManager;
+use crate::conn::RedisConn;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -23,11 +23,7 @@ static EXPIRE_CONSUMERS: LazyLock<redis::Script> =
 
 /// Trims entries that every group has acknowledged and that are older than `retention`.
 /// Returns how many were removed.
-pub async fn trim_acknowledged(
-    conn: &ConnectionManager,
-    keys: &Keys,
-    retention: Duration,
-) -> Result<u64> {
+pub async fn trim_acknowledged(conn: &RedisConn, keys: &Keys, retention: Duration) -> Result<u64> {
     let cutoff = crate::now_ms().saturating_sub(retention.as_millis() as u64);
     let mut call = TRIM_STREAM.prepare_invoke();
     call.key(keys.events()).arg(format!("{cutoff}-0"));
@@ -36,7 +32,7 @@ pub async fn trim_acknowledged(
 
 /// Removes consumers idle for at least `idle` with nothing pending; returns their names.
 pub async fn expire_consumers(
-    conn: &ConnectionManager,
+    conn: &RedisConn,
     keys: &Keys,
     idle: Duration,
 ) -> Result<Vec<String>> {
@@ -48,12 +44,7 @@ pub async fn expire_consumers(
 }
 
 /// Runs both jobs every `maintenance_interval_ms` until `shutdown`.
-pub async fn run(
-    conn: ConnectionManager,
-    keys: Keys,
-    settings: Settings,
-    shutdown: CancellationToken,
-) {
+pub async fn run(conn: RedisConn, keys: Keys, settings: Settings, shutdown: CancellationToken) {
     let every = Duration::from_millis(settings.maintenance_interval_ms);
     let retention = Duration::from_millis(settings.retention_ms);
     let expiry = Duration::from_millis(settings.consumer_expiry_ms);

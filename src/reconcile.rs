@@ -17,8 +17,8 @@
 
 use std::{sync::Arc, sync::LazyLock, time::Duration};
 
+use crate::conn::RedisConn;
 use futures_util::StreamExt;
-use redis::aio::ConnectionManager;
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -123,13 +123,19 @@ pub struct Reconciler {
     settings: Settings,
     keys: Keys,
     client: redis::Client,
-    conn: ConnectionManager,
+    conn: RedisConn,
     metrics: Metrics,
     health: Arc<Health>,
 }
 
 impl Reconciler {
     pub fn new(settings: &Settings, metrics: Metrics) -> Result<Self> {
+        if settings.redis_cluster {
+            return Err(Error::Setting {
+                name: "redis_cluster".into(),
+                reason: "the reconciler does not support Redis Cluster yet (the workers do)".into(),
+            });
+        }
         let client = conn::client_for(settings)?;
         // The pass loop sleeps a whole interval between beats.
         let stall_after = Duration::from_millis(settings.reconcile_interval_ms.saturating_mul(3))
@@ -581,7 +587,7 @@ impl Reconciler {
 }
 
 /// Counts servers that are dead now (stale heartbeat and no liveness key), read-only.
-pub async fn count_dead(conn: &ConnectionManager, keys: &Keys, grace_ms: u64) -> Result<u64> {
+pub async fn count_dead(conn: &RedisConn, keys: &Keys, grace_ms: u64) -> Result<u64> {
     let cutoff = crate::now_ms().saturating_sub(grace_ms);
     let stale: Vec<String> = redis::cmd("ZRANGEBYSCORE")
         .arg(keys.servers())

@@ -13,7 +13,7 @@
 
 use std::sync::LazyLock;
 
-use redis::aio::ConnectionManager;
+use crate::conn::RedisConn;
 
 use crate::{config::Layout, error::Result, event::ServerId, keys::Keys};
 
@@ -62,12 +62,7 @@ impl Registry {
     }
 
     /// Registers `user` on `server` (forward entry and reverse set in one MULTI).
-    pub async fn register(
-        &self,
-        conn: &ConnectionManager,
-        user: &[u8],
-        server: &ServerId,
-    ) -> Result<()> {
+    pub async fn register(&self, conn: &RedisConn, user: &[u8], server: &ServerId) -> Result<()> {
         let mut pipe = redis::pipe();
         pipe.atomic();
         self.add_register(&mut pipe, user, server);
@@ -78,7 +73,7 @@ impl Registry {
     /// Registers many users on one server, pipelined in batches of `batch`.
     pub async fn register_many<'a>(
         &self,
-        conn: &ConnectionManager,
+        conn: &RedisConn,
         users: impl IntoIterator<Item = &'a [u8]>,
         server: &ServerId,
         batch: usize,
@@ -102,12 +97,7 @@ impl Registry {
 
     /// A clean disconnect: drops the forward entry if it still names `server`, and
     /// removes the user from the server's reverse set.
-    pub async fn unregister(
-        &self,
-        conn: &ConnectionManager,
-        user: &[u8],
-        server: &ServerId,
-    ) -> Result<()> {
+    pub async fn unregister(&self, conn: &RedisConn, user: &[u8], server: &ServerId) -> Result<()> {
         let forward = match self.layout {
             Layout::Hash => self.keys.registry().into_bytes(),
             Layout::Keys => self.keys.user(user),
@@ -127,12 +117,7 @@ impl Registry {
     }
 
     /// Refreshes the server's liveness key (TTL `ttl_ms`) and its `servers` score.
-    pub async fn heartbeat(
-        &self,
-        conn: &ConnectionManager,
-        server: &ServerId,
-        ttl_ms: u64,
-    ) -> Result<()> {
+    pub async fn heartbeat(&self, conn: &RedisConn, server: &ServerId, ttl_ms: u64) -> Result<()> {
         let mut pipe = redis::pipe();
         pipe.atomic()
             .cmd("SET")
@@ -148,7 +133,7 @@ impl Registry {
     }
 
     /// The server a user's forward entry names, if any.
-    pub async fn owner(&self, conn: &ConnectionManager, user: &[u8]) -> Result<Option<String>> {
+    pub async fn owner(&self, conn: &RedisConn, user: &[u8]) -> Result<Option<String>> {
         let owner: Option<String> = match self.layout {
             Layout::Hash => {
                 redis::cmd("HGET")
@@ -168,11 +153,7 @@ impl Registry {
     }
 
     /// Owners of many users at once (HMGET or MGET), in order.
-    pub async fn owners(
-        &self,
-        conn: &ConnectionManager,
-        users: &[Vec<u8>],
-    ) -> Result<Vec<Option<String>>> {
+    pub async fn owners(&self, conn: &RedisConn, users: &[Vec<u8>]) -> Result<Vec<Option<String>>> {
         if users.is_empty() {
             return Ok(Vec::new());
         }

@@ -3,7 +3,9 @@
 
 use std::{collections::HashMap, fmt};
 
-use redis::{aio::ConnectionManager, Value};
+use redis::Value;
+
+use crate::conn::RedisConn;
 use serde::Serialize;
 
 use crate::{
@@ -49,7 +51,7 @@ impl Status {
 
 /// Collects the status from the Redis of `settings`.
 pub async fn collect(settings: &Settings) -> Result<Status> {
-    let conn = conn::shared(&conn::client_for(settings)?)?;
+    let conn = conn::shared_for(&conn::target_for(settings)?).await?;
     let keys = Keys::new(settings.key_prefix.clone());
     let mut status = collect_from(&conn, &keys).await?;
     status.servers_dead =
@@ -57,7 +59,7 @@ pub async fn collect(settings: &Settings) -> Result<Status> {
     Ok(status)
 }
 
-pub async fn collect_from(conn: &ConnectionManager, keys: &Keys) -> Result<Status> {
+pub async fn collect_from(conn: &RedisConn, keys: &Keys) -> Result<Status> {
     let mut c = conn.clone();
     let (stream_length, dead_letters, servers_known): (u64, u64, u64) = redis::pipe()
         .xlen(keys.events())
@@ -107,7 +109,7 @@ pub async fn collect_from(conn: &ConnectionManager, keys: &Keys) -> Result<Statu
     Ok(status)
 }
 
-async fn exists(c: &mut ConnectionManager, key: &str) -> Result<bool> {
+async fn exists(c: &mut RedisConn, key: &str) -> Result<bool> {
     Ok(redis::cmd("EXISTS").arg(key).query_async::<i64>(c).await? == 1)
 }
 

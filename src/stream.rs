@@ -4,7 +4,9 @@
 //! fields, so that an entry with non-UTF-8 field names (hostile or buggy producers) is
 //! still read, dead-lettered and acknowledged instead of failing the whole batch.
 
-use redis::{aio::ConnectionManager, Value};
+use redis::Value;
+
+use crate::conn::RedisConn;
 
 use crate::{
     error::{Error, Result},
@@ -15,7 +17,7 @@ use crate::{
 /// Creates the group (see [`ensure_group`]) and registers `consumer` in it, so that an
 /// idle worker shows in `XINFO CONSUMERS` (Redis 7.0 creates a consumer only when a read
 /// returns entries).
-pub async fn join_group(conn: &ConnectionManager, keys: &Keys, consumer: &str) -> Result<()> {
+pub async fn join_group(conn: &RedisConn, keys: &Keys, consumer: &str) -> Result<()> {
     ensure_group(conn, keys).await?;
     register_consumer(conn, keys, consumer).await
 }
@@ -25,12 +27,7 @@ static TOUCH_ENTRY: std::sync::LazyLock<redis::Script> =
 
 /// Resets the idle time of entry `id` if `consumer` still owns it (see touch_entry.lua).
 /// Returns false when the entry is no longer ours.
-pub async fn touch(
-    conn: &ConnectionManager,
-    keys: &Keys,
-    consumer: &str,
-    id: &str,
-) -> Result<bool> {
+pub async fn touch(conn: &RedisConn, keys: &Keys, consumer: &str, id: &str) -> Result<bool> {
     let mut call = TOUCH_ENTRY.prepare_invoke();
     call.key(keys.events()).arg(GROUP).arg(consumer).arg(id);
     let touched: i64 = call.invoke_async(&mut conn.clone()).await?;
@@ -38,11 +35,7 @@ pub async fn touch(
 }
 
 /// Registers `consumer` in the group if it is not there (a no-op otherwise).
-pub async fn register_consumer(
-    conn: &ConnectionManager,
-    keys: &Keys,
-    consumer: &str,
-) -> Result<()> {
+pub async fn register_consumer(conn: &RedisConn, keys: &Keys, consumer: &str) -> Result<()> {
     let _: i64 = redis::cmd("XGROUP")
         .arg("CREATECONSUMER")
         .arg(keys.events())
@@ -56,7 +49,7 @@ pub async fn register_consumer(
 /// Creates the consumer group at the start of the stream (id `0`), so that events
 /// published before the first worker ever started are processed too; creates the
 /// stream if missing. An existing group is left as it is.
-pub async fn ensure_group(conn: &ConnectionManager, keys: &Keys) -> Result<()> {
+pub async fn ensure_group(conn: &RedisConn, keys: &Keys) -> Result<()> {
     let created: redis::RedisResult<()> = redis::cmd("XGROUP")
         .arg("CREATE")
         .arg(keys.events())
@@ -80,7 +73,7 @@ pub fn is_no_group(e: &Error) -> bool {
 
 /// Reads up to `count` new entries for `consumer`, blocking up to `block_ms`.
 pub async fn read_new(
-    conn: &ConnectionManager,
+    conn: &RedisConn,
     keys: &Keys,
     consumer: &str,
     count: usize,
@@ -103,7 +96,7 @@ pub async fn read_new(
 }
 
 /// Acknowledges one entry; returns whether it was still pending.
-pub async fn ack(conn: &ConnectionManager, keys: &Keys, id: &str) -> Result<bool> {
+pub async fn ack(conn: &RedisConn, keys: &Keys, id: &str) -> Result<bool> {
     let n: i64 = redis::cmd("XACK")
         .arg(keys.events())
         .arg(GROUP)
@@ -115,12 +108,7 @@ pub async fn ack(conn: &ConnectionManager, keys: &Keys, id: &str) -> Result<bool
 
 /// Copies `entry` to the dead-letter stream with `error` and `failed_at_ms`, and
 /// acknowledges it, in one MULTI: either both happen or neither.
-pub async fn dead_letter(
-    conn: &ConnectionManager,
-    keys: &Keys,
-    entry: &Entry,
-    error: &str,
-) -> Result<()> {
+pub async fn dead_letter(conn: &RedisConn, keys: &Keys, entry: &Entry, error: &str) -> Result<()> {
     let mut xadd = redis::cmd("XADD");
     xadd.arg(keys.dead_letters()).arg("*");
     for (k, v) in &entry.fields {
@@ -150,11 +138,7 @@ pub async fn dead_letter(
 }
 
 /// Publishes one entry with the given fields; returns its id.
-pub async fn publish(
-    conn: &ConnectionManager,
-    stream: &str,
-    fields: &[(&[u8], &[u8])],
-) -> Result<String> {
+pub async fn publish(conn: &RedisConn, stream: &str, fields: &[(&[u8], &[u8])]) -> Result<String> {
     let mut xadd = redis::cmd("XADD");
     xadd.arg(stream).arg("*");
     for (k, v) in fields {
@@ -164,11 +148,7 @@ pub async fn publish(
 }
 
 /// Publishes a `server.dead` payload on the events stream; returns the entry id.
-pub async fn publish_event(
-    conn: &ConnectionManager,
-    keys: &Keys,
-    payload: &[u8],
-) -> Result<String> {
+pub async fn publish_event(conn: &RedisConn, keys: &Keys, payload: &[u8]) -> Result<String> {
     publish(
         conn,
         &keys.events(),
@@ -267,7 +247,7 @@ pub struct Claimed {
 
 /// Takes over up to `count` entries idle for at least `min_idle_ms`, starting at `cursor`.
 pub async fn autoclaim(
-    conn: &ConnectionManager,
+    conn: &RedisConn,
     keys: &Keys,
     consumer: &str,
     min_idle_ms: u64,
@@ -327,7 +307,7 @@ pub async fn autoclaim(
 
 /// Delivery counts of `consumer`'s pending entries between two ids (XPENDING extended form).
 async fn delivery_counts(
-    conn: &ConnectionManager,
+    conn: &RedisConn,
     keys: &Keys,
     consumer: &str,
     first: &str,

@@ -23,8 +23,8 @@ use std::{
     time::{Duration, Instant},
 };
 
+use crate::conn::RedisConn;
 use backon::BackoffBuilder;
-use redis::aio::ConnectionManager;
 use tokio::{
     sync::{OwnedSemaphorePermit, Semaphore},
     task::JoinSet,
@@ -52,17 +52,19 @@ pub struct Worker {
     consumer: String,
     cleaner: Cleaner,
     settings: Settings,
-    client: redis::Client,
-    conn: ConnectionManager,
+    /// Where the blocking reader connects (one node or a cluster).
+    target: conn::Target,
+    conn: RedisConn,
     metrics: Metrics,
     /// Beaten by the read loop; read by `/healthz`.
     health: Arc<Health>,
 }
 
 impl Worker {
-    /// Builds a worker from validated settings. Does not touch Redis yet.
-    pub fn new(settings: &Settings, metrics: Metrics) -> Result<Self> {
-        let client = conn::client_for(settings)?;
+    /// Builds a worker from validated settings. On one node this does not touch Redis
+    /// yet; on a cluster it connects to learn the slot map.
+    pub async fn new(settings: &Settings, metrics: Metrics) -> Result<Self> {
+        let target = conn::target_for(settings)?;
         let keys = Keys::new(settings.key_prefix.clone());
         Ok(Worker {
             cleaner: Cleaner::new(
@@ -75,8 +77,8 @@ impl Worker {
             health: Health::new(Duration::from_secs(60)),
             keys,
             consumer: settings.consumer_name(),
-            conn: conn::shared(&client)?,
-            client,
+            conn: conn::shared_for(&target).await?,
+            target,
             settings: settings.clone(),
             metrics,
         })
@@ -151,7 +153,7 @@ impl Worker {
         abandon: &CancellationToken,
     ) -> Result<()> {
         let block = Duration::from_millis(self.settings.block_ms);
-        let reader = conn::blocking(&self.client, block)?;
+        let reader = conn::blocking_for(&self.target, block).await?;
         let mut backoff = policy().build();
         let mut failing = false;
         // Takeover runs in this loop, between reads, with the permits in hand: a separate

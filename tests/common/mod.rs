@@ -9,7 +9,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use redis::aio::ConnectionManager;
+use registry_janitor::conn::RedisConn;
 use registry_janitor::{
     config::{Layout, Settings},
     conn,
@@ -63,7 +63,7 @@ pub fn settings(server: &RedisServer, layout: Layout) -> Settings {
     s
 }
 
-pub fn connect(settings: &Settings) -> ConnectionManager {
+pub fn connect(settings: &Settings) -> RedisConn {
     conn::shared(&conn::client(&settings.redis_url).unwrap()).unwrap()
 }
 
@@ -79,7 +79,7 @@ pub fn user(server: &ServerId, n: usize) -> Vec<u8> {
 /// a connection, the key names and the registry. Fields drop in order: Redis last.
 pub struct Fixture {
     pub settings: Settings,
-    pub conn: ConnectionManager,
+    pub conn: RedisConn,
     pub keys: Keys,
     pub registry: Registry,
     pub redis: RedisServer,
@@ -148,7 +148,7 @@ impl Fixture {
 }
 
 /// Registers `users` users on `server` and heartbeats it.
-pub async fn seed(registry: &Registry, conn: &ConnectionManager, server: &ServerId, users: usize) {
+pub async fn seed(registry: &Registry, conn: &RedisConn, server: &ServerId, users: usize) {
     registry.heartbeat(conn, server, 60_000).await.unwrap();
     let ids: Vec<Vec<u8>> = (0..users).map(|n| user(server, n)).collect();
     registry
@@ -158,7 +158,7 @@ pub async fn seed(registry: &Registry, conn: &ConnectionManager, server: &Server
 }
 
 /// Publishes `server.dead` for `server`; returns the entry id.
-pub async fn kill(conn: &ConnectionManager, keys: &Keys, server: &ServerId) -> String {
+pub async fn kill(conn: &RedisConn, keys: &Keys, server: &ServerId) -> String {
     let event = ServerDead::new(server, Some("test".into()), Some("test".into()));
     stream::publish_event(conn, keys, &event.encode())
         .await
@@ -182,10 +182,12 @@ impl RunningWorker {
 
 pub fn spawn_worker(settings: &Settings) -> RunningWorker {
     let metrics = Metrics::new();
-    let worker = Worker::new(settings, metrics.clone()).unwrap();
-    let consumer = worker.consumer().to_owned();
+    let mut settings = settings.clone();
+    let consumer = settings.consumer_name();
+    settings.consumer_name = Some(consumer.clone());
     let stop = CancellationToken::new();
-    let handle = tokio::spawn(worker.run(stop.clone()));
+    let (m, token) = (metrics.clone(), stop.clone());
+    let handle = tokio::spawn(async move { Worker::new(&settings, m).await?.run(token).await });
     RunningWorker {
         stop,
         handle,
@@ -213,7 +215,7 @@ where
 }
 
 /// Waits until every event was delivered and acknowledged.
-pub async fn wait_idle(server: &RedisServer, conn: &ConnectionManager, keys: &Keys) {
+pub async fn wait_idle(server: &RedisServer, conn: &RedisConn, keys: &Keys) {
     wait_until(
         server,
         "all events acknowledged",
@@ -231,7 +233,7 @@ pub async fn wait_idle(server: &RedisServer, conn: &ConnectionManager, keys: &Ke
 /// Counts `server`'s seeded users (0..users) whose forward entry still names it.
 pub async fn still_pointing(
     registry: &Registry,
-    conn: &ConnectionManager,
+    conn: &RedisConn,
     server: &ServerId,
     users: usize,
 ) -> usize {
@@ -250,10 +252,7 @@ pub async fn still_pointing(
 }
 
 /// All entries of a stream as (id, fields) with byte fields.
-pub async fn read_stream(
-    conn: &ConnectionManager,
-    stream: &str,
-) -> Vec<registry_janitor::event::Entry> {
+pub async fn read_stream(conn: &RedisConn, stream: &str) -> Vec<registry_janitor::event::Entry> {
     let reply: redis::Value = redis::cmd("XRANGE")
         .arg(stream)
         .arg("-")
