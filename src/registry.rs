@@ -10,8 +10,15 @@
 //! A user moving to another server is a `register` on the new server: the forward entry
 //! now names it, and the old server's reverse set may still list the user (the janitor
 //! leaves such entries alone).
+//!
+//! On a Redis Cluster the forward entry and the reverse set are in different slots, so no
+//! MULTI can hold both: `register` writes the reverse set first, then the forward entry.
+//! A crash between them leaves a member without an entry (harmless), never an entry that
+//! no index knows (the drift sweep's job).
 
 use std::sync::LazyLock;
+
+use futures_util::StreamExt;
 
 use crate::conn::RedisConn;
 
@@ -20,19 +27,39 @@ use crate::{config::Layout, error::Result, event::ServerId, keys::Keys};
 static UNREGISTER: LazyLock<redis::Script> = LazyLock::new(|| {
     redis::Script::new(
         r"
-        -- KEYS[1] forward hash or key, KEYS[2] reverse set; ARGV[1] user, ARGV[2] server,
-        -- ARGV[3] layout. The forward entry goes only if it still names this server.
-        local owner
-        if ARGV[3] == 'hash' then owner = redis.call('HGET', KEYS[1], ARGV[1])
-        else owner = redis.call('GET', KEYS[1]) end
-        if owner == ARGV[2] then
-          if ARGV[3] == 'hash' then redis.call('HDEL', KEYS[1], ARGV[1])
-          else redis.call('DEL', KEYS[1]) end
+        -- KEYS[1] forward hash (layout hash) or key (layout keys); ARGV[1] user,
+        -- ARGV[2] server, ARGV[3] layout. The forward entry goes only if it still names
+        -- this server (the user may have reconnected elsewhere meanwhile).
+        if ARGV[3] == 'hash' then
+          if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('HDEL', KEYS[1], ARGV[1]) end
+        elseif redis.call('GET', KEYS[1]) == ARGV[2] then
+          return redis.call('DEL', KEYS[1])
         end
-        return redis.call('SREM', KEYS[2], ARGV[1])
+        return 0
         ",
     )
 });
+
+/// Commands of one batch in flight at once on a cluster, where they cannot be pipelined.
+const CLUSTER_IN_FLIGHT: usize = 64;
+
+/// Runs `cmds` (each its own slot, maybe) with many in flight; replies in order.
+async fn each_in_flight<T: redis::FromRedisValue + Send + 'static>(
+    conn: &RedisConn,
+    cmds: Vec<redis::Cmd>,
+) -> Result<Vec<T>> {
+    let calls = cmds.into_iter().map(|cmd| {
+        let mut c = conn.clone();
+        async move { cmd.query_async::<T>(&mut c).await }
+    });
+    let replies: Vec<redis::RedisResult<T>> = futures_util::stream::iter(calls)
+        .buffered(CLUSTER_IN_FLIGHT)
+        .collect()
+        .await;
+    Ok(replies
+        .into_iter()
+        .collect::<redis::RedisResult<Vec<T>>>()?)
+}
 
 /// Writes and reads the registry as a connection server does.
 #[derive(Debug, Clone)]
@@ -61,8 +88,12 @@ impl Registry {
         .ignore();
     }
 
-    /// Registers `user` on `server` (forward entry and reverse set in one MULTI).
+    /// Registers `user` on `server` (forward entry and reverse set in one MULTI; on a
+    /// cluster, reverse set first).
     pub async fn register(&self, conn: &RedisConn, user: &[u8], server: &ServerId) -> Result<()> {
+        if conn.is_cluster() {
+            return self.register_many(conn, [user], server, 1).await;
+        }
         let mut pipe = redis::pipe();
         pipe.atomic();
         self.add_register(&mut pipe, user, server);
@@ -78,46 +109,95 @@ impl Registry {
         server: &ServerId,
         batch: usize,
     ) -> Result<()> {
-        let mut pipe = redis::pipe();
-        let mut n = 0;
-        for user in users {
-            self.add_register(&mut pipe, user, server);
-            n += 1;
-            if n == batch {
-                let () = pipe.query_async(&mut conn.clone()).await?;
-                pipe.clear();
-                n = 0;
+        let users: Vec<&[u8]> = users.into_iter().collect();
+        for chunk in users.chunks(batch.max(1)) {
+            if conn.is_cluster() {
+                self.register_chunk_on_cluster(conn, chunk, server).await?;
+                continue;
             }
-        }
-        if n > 0 {
+            let mut pipe = redis::pipe();
+            for user in chunk {
+                self.add_register(&mut pipe, user, server);
+            }
             let () = pipe.query_async(&mut conn.clone()).await?;
         }
         Ok(())
     }
 
-    /// A clean disconnect: drops the forward entry if it still names `server`, and
+    /// One pipeline per slot: the reverse set's, then the registry hash's (layout hash) or
+    /// one SET per user key, many in flight (layout keys).
+    async fn register_chunk_on_cluster(
+        &self,
+        conn: &RedisConn,
+        users: &[&[u8]],
+        server: &ServerId,
+    ) -> Result<()> {
+        let () = redis::cmd("SADD")
+            .arg(self.keys.server_users(server))
+            .arg(users)
+            .query_async(&mut conn.clone())
+            .await?;
+        match self.layout {
+            Layout::Hash => {
+                let mut hset = redis::cmd("HSET");
+                hset.arg(self.keys.registry());
+                for user in users {
+                    hset.arg(*user).arg(server.as_str());
+                }
+                let () = hset.query_async(&mut conn.clone()).await?;
+            }
+            Layout::Keys => {
+                let sets = users
+                    .iter()
+                    .map(|u| {
+                        redis::cmd("SET")
+                            .arg(self.keys.user(u))
+                            .arg(server.as_str())
+                            .to_owned()
+                    })
+                    .collect();
+                let _: Vec<()> = each_in_flight(conn, sets).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A clean disconnect: drops the forward entry if it still names `server`, then
     /// removes the user from the server's reverse set.
     pub async fn unregister(&self, conn: &RedisConn, user: &[u8], server: &ServerId) -> Result<()> {
-        let forward = match self.layout {
-            Layout::Hash => self.keys.registry().into_bytes(),
-            Layout::Keys => self.keys.user(user),
-        };
-        let layout = match self.layout {
-            Layout::Hash => "hash",
-            Layout::Keys => "keys",
+        let (forward, layout) = match self.layout {
+            Layout::Hash => (self.keys.registry().into_bytes(), "hash"),
+            Layout::Keys => (self.keys.user(user), "keys"),
         };
         let mut call = UNREGISTER.prepare_invoke();
-        call.key(forward)
-            .key(self.keys.server_users(server))
-            .arg(user)
-            .arg(server.as_str())
-            .arg(layout);
+        call.key(forward).arg(user).arg(server.as_str()).arg(layout);
         let _: i64 = call.invoke_async(&mut conn.clone()).await?;
+        let _: i64 = redis::cmd("SREM")
+            .arg(self.keys.server_users(server))
+            .arg(user)
+            .query_async(&mut conn.clone())
+            .await?;
         Ok(())
     }
 
     /// Refreshes the server's liveness key (TTL `ttl_ms`) and its `servers` score.
     pub async fn heartbeat(&self, conn: &RedisConn, server: &ServerId, ttl_ms: u64) -> Result<()> {
+        if conn.is_cluster() {
+            let () = redis::cmd("SET")
+                .arg(self.keys.server_alive(server))
+                .arg(1)
+                .arg("PX")
+                .arg(ttl_ms)
+                .query_async(&mut conn.clone())
+                .await?;
+            let _: i64 = redis::cmd("ZADD")
+                .arg(self.keys.servers())
+                .arg(crate::now_ms())
+                .arg(server.as_str())
+                .query_async(&mut conn.clone())
+                .await?;
+            return Ok(());
+        }
         let mut pipe = redis::pipe();
         pipe.atomic()
             .cmd("SET")
@@ -164,6 +244,14 @@ impl Registry {
                     .arg(users)
                     .query_async(&mut conn.clone())
                     .await?
+            }
+            Layout::Keys if conn.is_cluster() => {
+                // No MGET across slots: one GET per user, many in flight, in order.
+                let gets = users
+                    .iter()
+                    .map(|u| redis::cmd("GET").arg(self.keys.user(u)).to_owned())
+                    .collect();
+                each_in_flight(conn, gets).await?
             }
             Layout::Keys => {
                 let keys: Vec<Vec<u8>> = users.iter().map(|u| self.keys.user(u)).collect();

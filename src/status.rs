@@ -61,10 +61,17 @@ pub async fn collect(settings: &Settings) -> Result<Status> {
 
 pub async fn collect_from(conn: &RedisConn, keys: &Keys) -> Result<Status> {
     let mut c = conn.clone();
-    let (stream_length, dead_letters, servers_known): (u64, u64, u64) = redis::pipe()
-        .xlen(keys.events())
-        .xlen(keys.dead_letters())
-        .zcard(keys.servers())
+    // Separate commands, not a pipeline: on a cluster the three keys are in different slots.
+    let stream_length: u64 = redis::cmd("XLEN")
+        .arg(keys.events())
+        .query_async(&mut c)
+        .await?;
+    let dead_letters: u64 = redis::cmd("XLEN")
+        .arg(keys.dead_letters())
+        .query_async(&mut c)
+        .await?;
+    let servers_known: u64 = redis::cmd("ZCARD")
+        .arg(keys.servers())
         .query_async(&mut c)
         .await?;
     let mut status = Status {

@@ -107,7 +107,8 @@ pub async fn ack(conn: &RedisConn, keys: &Keys, id: &str) -> Result<bool> {
 }
 
 /// Copies `entry` to the dead-letter stream with `error` and `failed_at_ms`, and
-/// acknowledges it, in one MULTI: either both happen or neither.
+/// acknowledges it, in one MULTI: either both happen or neither (on a single node; see
+/// the cluster case below).
 pub async fn dead_letter(conn: &RedisConn, keys: &Keys, entry: &Entry, error: &str) -> Result<()> {
     let mut xadd = redis::cmd("XADD");
     xadd.arg(keys.dead_letters()).arg("*");
@@ -124,14 +125,20 @@ pub async fn dead_letter(conn: &RedisConn, keys: &Keys, entry: &Entry, error: &s
         .arg(error)
         .arg("failed_at_ms")
         .arg(crate::now_ms());
+    let mut ack = redis::cmd("XACK");
+    ack.arg(keys.events()).arg(GROUP).arg(&entry.id);
+    if conn.is_cluster() {
+        // The two streams live in different slots: no MULTI across them. A crash between
+        // the two leaves the entry pending, and its retry writes a second dead letter.
+        let _: String = xadd.query_async(&mut conn.clone()).await?;
+        let _: i64 = ack.query_async(&mut conn.clone()).await?;
+        return Ok(());
+    }
     let mut pipe = redis::pipe();
     pipe.atomic()
         .add_command(xadd)
         .ignore()
-        .cmd("XACK")
-        .arg(keys.events())
-        .arg(GROUP)
-        .arg(&entry.id)
+        .add_command(ack)
         .ignore();
     let () = pipe.query_async(&mut conn.clone()).await?;
     Ok(())

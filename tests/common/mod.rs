@@ -29,8 +29,8 @@ pub fn redis() -> RedisServer {
     redis_with(&[])
 }
 
-pub fn redis_with(args: &[&str]) -> RedisServer {
-    // Worker logs go to the test's captured output, shown when a test fails.
+/// Worker logs go to the test's captured output, shown when a test fails.
+pub fn init_logs() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -38,6 +38,10 @@ pub fn redis_with(args: &[&str]) -> RedisServer {
         )
         .with_test_writer()
         .try_init();
+}
+
+pub fn redis_with(args: &[&str]) -> RedisServer {
+    init_logs();
     assert!(
         RedisServer::available(),
         "these tests need redis-server on PATH (Debian: apt-get install redis-server)"
