@@ -239,7 +239,7 @@ async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
         }
         Command::Reconcile { once } => {
             let metrics = Metrics::new();
-            let reconciler = Reconciler::new(&settings, metrics.clone())?;
+            let reconciler = Reconciler::new(&settings, metrics.clone()).await?;
             if once {
                 let report = reconciler.run_once().await?;
                 println!("{report}");

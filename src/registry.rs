@@ -18,8 +18,6 @@
 
 use std::sync::LazyLock;
 
-use futures_util::StreamExt;
-
 use crate::conn::RedisConn;
 
 use crate::{config::Layout, error::Result, event::ServerId, keys::Keys};
@@ -39,27 +37,6 @@ static UNREGISTER: LazyLock<redis::Script> = LazyLock::new(|| {
         ",
     )
 });
-
-/// Commands of one batch in flight at once on a cluster, where they cannot be pipelined.
-const CLUSTER_IN_FLIGHT: usize = 64;
-
-/// Runs `cmds` (each its own slot, maybe) with many in flight; replies in order.
-async fn each_in_flight<T: redis::FromRedisValue + Send + 'static>(
-    conn: &RedisConn,
-    cmds: Vec<redis::Cmd>,
-) -> Result<Vec<T>> {
-    let calls = cmds.into_iter().map(|cmd| {
-        let mut c = conn.clone();
-        async move { cmd.query_async::<T>(&mut c).await }
-    });
-    let replies: Vec<redis::RedisResult<T>> = futures_util::stream::iter(calls)
-        .buffered(CLUSTER_IN_FLIGHT)
-        .collect()
-        .await;
-    Ok(replies
-        .into_iter()
-        .collect::<redis::RedisResult<Vec<T>>>()?)
-}
 
 /// Writes and reads the registry as a connection server does.
 #[derive(Debug, Clone)]
@@ -156,7 +133,7 @@ impl Registry {
                             .to_owned()
                     })
                     .collect();
-                let _: Vec<()> = each_in_flight(conn, sets).await?;
+                let _: Vec<()> = crate::conn::each_in_flight(conn, sets).await?;
             }
         }
         Ok(())
@@ -251,7 +228,7 @@ impl Registry {
                     .iter()
                     .map(|u| redis::cmd("GET").arg(self.keys.user(u)).to_owned())
                     .collect();
-                each_in_flight(conn, gets).await?
+                crate::conn::each_in_flight(conn, gets).await?
             }
             Layout::Keys => {
                 let keys: Vec<Vec<u8>> = users.iter().map(|u| self.keys.user(u)).collect();

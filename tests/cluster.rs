@@ -236,3 +236,58 @@ async fn a_master_killed_mid_cleanup_fails_over_and_the_cleanup_finishes() {
     assert!(worker.metrics.entries_deleted.get() >= USERS as u64);
     worker.stop().await;
 }
+
+/// The reconciler's heartbeat pass on a cluster: a server whose heartbeat is old and
+/// whose liveness key is gone is declared dead once (not again within the marker's
+/// window), a live one never; the worker cleans the dead one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reconciler_finds_dead_servers_on_a_cluster() {
+    use registry_janitor::{metrics::Metrics, reconcile::Reconciler};
+    let Some(f) = ClusterFixture::start(3, 0, Layout::Hash, 200).await else {
+        return;
+    };
+    let (silent, live) = (server("gw-silent#1"), server("gw-live#1"));
+    seed(&f.registry, &f.conn, &silent, 1_000).await;
+    seed(&f.registry, &f.conn, &live, 1_000).await;
+    let mut c = f.conn.clone();
+    let _: () = redis::cmd("DEL")
+        .arg(f.keys.server_alive(&silent))
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("ZADD")
+        .arg(f.keys.servers())
+        .arg(1)
+        .arg(silent.as_str())
+        .query_async(&mut c)
+        .await
+        .unwrap();
+
+    let reconciler = Reconciler::new(&f.settings, Metrics::new()).await.unwrap();
+    let first = reconciler.run_once().await.unwrap();
+    assert_eq!(
+        (first.pass.published, first.pass.candidates),
+        (1, 1),
+        "{first}"
+    );
+    let again = reconciler.run_once().await.unwrap();
+    assert_eq!(
+        (again.pass.published, again.pass.already_reported),
+        (0, 1),
+        "{again}"
+    );
+    let worker = spawn_worker(&f.settings);
+    f.wait_idle(Duration::from_secs(60)).await;
+    assert_eq!(f.still_pointing(&silent, 1_000).await, 0);
+    assert_eq!(
+        f.still_pointing(&live, 1_000).await,
+        1_000,
+        "the live server is untouched"
+    );
+    let after = reconciler.run_once().await.unwrap();
+    assert_eq!(
+        after.pass.candidates, 0,
+        "the cleaned server left `servers`: {after}"
+    );
+    worker.stop().await;
+}

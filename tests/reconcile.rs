@@ -23,9 +23,9 @@ struct RunningReconciler {
 impl RunningReconciler {
     fn start(settings: &Settings) -> Self {
         let metrics = Metrics::new();
-        let r = Reconciler::new(settings, metrics.clone()).unwrap();
         let stop = CancellationToken::new();
-        let handle = tokio::spawn(r.run(stop.clone()));
+        let (s, m, token) = (settings.clone(), metrics.clone(), stop.clone());
+        let handle = tokio::spawn(async move { Reconciler::new(&s, m).await?.run(token).await });
         RunningReconciler {
             stop,
             handle,
@@ -164,7 +164,7 @@ async fn the_reconciler_may_turn_notifications_on_itself() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_with_an_old_heartbeat_and_no_key_is_declared_dead_and_a_live_one_never() {
     let f = Fixture::with(Layout::Hash, |s| s.heartbeat_grace_ms = 30_000);
-    let r = Reconciler::new(&f.settings, Metrics::new()).unwrap();
+    let r = Reconciler::new(&f.settings, Metrics::new()).await.unwrap();
     let (old, fresh, keyed) = (
         server("gw-old#1"),
         server("gw-fresh#1"),
@@ -233,6 +233,7 @@ async fn several_reconcilers_at_once_publish_each_death_once() {
         let settings = f.settings.clone();
         tokio::spawn(async move {
             Reconciler::new(&settings, Metrics::new())
+                .await
                 .unwrap()
                 .pass()
                 .await
@@ -312,7 +313,7 @@ async fn drift_fixture(layout: Layout) -> (Fixture, ServerId, ServerId) {
 
 async fn drift_is_repaired(layout: Layout) {
     let (f, live, other) = drift_fixture(layout).await;
-    let r = Reconciler::new(&f.settings, Metrics::new()).unwrap();
+    let r = Reconciler::new(&f.settings, Metrics::new()).await.unwrap();
     let report = r.run_once().await.unwrap();
     assert_eq!(report.sweep.entries_removed, 700, "{report}");
     // The 50 movers, and odd-user: its entry names another (invalid) owner now.
@@ -360,7 +361,7 @@ async fn the_sweep_resumes_from_its_stored_cursor() {
     let s = server("gw-live#1");
     f.seed(&s, 5_000).await;
     f.registry.heartbeat(&f.conn, &s, 600_000).await.unwrap();
-    let r = Reconciler::new(&f.settings, Metrics::new()).unwrap();
+    let r = Reconciler::new(&f.settings, Metrics::new()).await.unwrap();
     let (first, _, _) = r.sweep_step(Some("0")).await.unwrap();
     assert_ne!(first, "0");
     let stored: String = f
