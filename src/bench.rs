@@ -33,7 +33,7 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     config::{Layout, Settings},
     conn,
-    demo::{delete_prefixed, find_redis},
+    demo::{delete_prefixed, local_redis},
     error::{Error, Result},
     event::{ServerDead, ServerId},
     keys::Keys,
@@ -120,15 +120,7 @@ impl Report {
 
 /// Runs the benchmark; `worker_exe` is the `registry-janitor` binary to start workers from.
 pub async fn run(settings: &Settings, options: &Options, worker_exe: &Path) -> Result<Report> {
-    if settings.redis_cluster {
-        return Err(Error::Setting {
-            name: "redis_cluster".into(),
-            reason: "this command does not support Redis Cluster yet (the workers do)".into(),
-        });
-    }
-    let (url, _private) = find_redis(&settings.redis_url).await?;
-    let mut settings = settings.clone();
-    settings.redis_url = url;
+    let (settings, _private) = local_redis(settings).await?;
     let conn = conn::shared(&conn::client_for(&settings)?)?;
     let info: String = redis::cmd("INFO")
         .arg("server")

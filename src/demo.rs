@@ -132,15 +132,7 @@ pub async fn run(settings: &Settings, options: &Options) -> Result<Summary> {
             reason: "needs at least 2 servers and 1 to servers-1 dead ones".into(),
         });
     }
-    if settings.redis_cluster {
-        return Err(Error::Setting {
-            name: "redis_cluster".into(),
-            reason: "this command does not support Redis Cluster yet (the workers do)".into(),
-        });
-    }
-    let (url, _private) = find_redis(&settings.redis_url).await?;
-    let mut settings = settings.clone();
-    settings.redis_url = url;
+    let (mut settings, _private) = local_redis(settings).await?;
     settings.key_prefix = format!("{}janitor-demo:{}:", settings.key_prefix, ulid::Ulid::new());
     let conn = conn::shared(&conn::client_for(&settings)?)?;
     let keys = Keys::new(settings.key_prefix.clone());
@@ -243,8 +235,24 @@ fn user_id(server: &ServerId, n: usize) -> Vec<u8> {
     .into_bytes()
 }
 
+/// The settings with `redis_url` pointing at a Redis to use: the one configured if it
+/// answers, otherwise a private `redis-server` (kept alive by the returned guard). For the
+/// demo and the benchmark, which run on one node.
+pub(crate) async fn local_redis(settings: &Settings) -> Result<(Settings, Option<RedisServer>)> {
+    if settings.redis_cluster {
+        return Err(Error::Setting {
+            name: "redis_cluster".into(),
+            reason: "this command does not support Redis Cluster yet (the workers do)".into(),
+        });
+    }
+    let (url, private) = find_redis(&settings.redis_url).await?;
+    let mut settings = settings.clone();
+    settings.redis_url = url;
+    Ok((settings, private))
+}
+
 /// Uses the Redis at `url` if it answers; otherwise starts a private one.
-pub(crate) async fn find_redis(url: &str) -> Result<(String, Option<RedisServer>)> {
+async fn find_redis(url: &str) -> Result<(String, Option<RedisServer>)> {
     let client = conn::client(url)?;
     let ping = tokio::time::timeout(Duration::from_secs(2), async {
         let mut c = client.get_multiplexed_async_connection().await?;

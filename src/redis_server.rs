@@ -102,6 +102,15 @@ impl RedisServer {
         }
     }
 
+    /// A command's text reply from this server over a fresh connection, or None.
+    fn query_text(&self, cmd: &redis::Cmd) -> Option<String> {
+        let client = redis::Client::open(self.url()).ok()?;
+        let mut c = client
+            .get_connection_with_timeout(Duration::from_millis(200))
+            .ok()?;
+        cmd.query(&mut c).ok()
+    }
+
     fn log_path(&self) -> PathBuf {
         self.dir.path().join("redis.log")
     }
@@ -247,20 +256,8 @@ impl RedisCluster {
         let deadline = Instant::now() + timeout;
         loop {
             let healthy = self.nodes.iter().filter(|n| n.child.is_some()).all(|n| {
-                let info: Option<String> = redis::Client::open(n.url())
-                    .ok()
-                    .and_then(|c| {
-                        c.get_connection_with_timeout(Duration::from_millis(200))
-                            .ok()
-                    })
-                    .and_then(|mut c| redis::cmd("CLUSTER").arg("INFO").query(&mut c).ok());
-                let nodes: Option<String> = redis::Client::open(n.url())
-                    .ok()
-                    .and_then(|c| {
-                        c.get_connection_with_timeout(Duration::from_millis(200))
-                            .ok()
-                    })
-                    .and_then(|mut c| redis::cmd("CLUSTER").arg("NODES").query(&mut c).ok());
+                let info = n.query_text(redis::cmd("CLUSTER").arg("INFO"));
+                let nodes = n.query_text(redis::cmd("CLUSTER").arg("NODES"));
                 // A failed node that still owns slots: its replica has not taken over yet.
                 let failed_with_slots = nodes.is_none_or(|text| {
                     text.lines().any(|l| {
@@ -269,13 +266,7 @@ impl RedisCluster {
                             && fields.len() > 8
                     })
                 });
-                let replication: Option<String> = redis::Client::open(n.url())
-                    .ok()
-                    .and_then(|c| {
-                        c.get_connection_with_timeout(Duration::from_millis(200))
-                            .ok()
-                    })
-                    .and_then(|mut c| redis::cmd("INFO").arg("replication").query(&mut c).ok());
+                let replication = n.query_text(redis::cmd("INFO").arg("replication"));
                 // A replica counts once its link to its master is up (its data is there).
                 let in_sync = replication.is_some_and(|r| {
                     r.contains("role:master") || r.contains("master_link_status:up")
