@@ -205,6 +205,46 @@ pub fn target_for(settings: &Settings) -> Result<Target> {
     Ok(Target::Cluster(builder.build()?))
 }
 
+/// The masters of the cluster now, as (host, port), from CLUSTER NODES: nodes flagged
+/// master, not failed, that serve slots.
+pub async fn cluster_masters(conn: &RedisConn) -> Result<Vec<(String, u16)>> {
+    let text: String = redis::cmd("CLUSTER")
+        .arg("NODES")
+        .query_async(&mut conn.clone())
+        .await?;
+    let mut masters: Vec<(String, u16)> = text
+        .lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split(' ').collect();
+            let flags = fields.get(2)?;
+            if !flags.contains("master") || flags.contains("fail") || fields.len() <= 8 {
+                return None;
+            }
+            let addr = fields.get(1)?.split(['@', ',']).next()?;
+            let (host, port) = addr.rsplit_once(':')?;
+            Some((host.to_owned(), port.parse().ok()?))
+        })
+        .collect();
+    masters.sort();
+    Ok(masters)
+}
+
+/// A client for one node of the cluster, with the settings' credentials: for what is
+/// per node (keyspace notifications, SCAN).
+pub fn node_client(settings: &Settings, host: &str, port: u16) -> Result<redis::Client> {
+    install_crypto_provider();
+    let mut info = settings.redis_url.as_str().into_connection_info()?;
+    info = info.set_addr(redis::ConnectionAddr::Tcp(host.to_owned(), port));
+    if let Some(password) = settings.redis_password()? {
+        let redis = info
+            .redis_settings()
+            .clone()
+            .set_password(password.expose());
+        info = info.set_redis_settings(redis);
+    }
+    Ok(redis::Client::open(info)?)
+}
+
 /// The shared connection for short commands.
 pub async fn shared_for(target: &Target) -> Result<RedisConn> {
     match target {

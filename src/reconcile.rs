@@ -433,17 +433,12 @@ impl Reconciler {
             grace_ms = this.settings.heartbeat_grace_ms,
             "reconciler starting"
         );
-        let (hints, sweeper) = if this.conn.is_cluster() {
-            warn!(
-                "on a Redis Cluster the reconciler runs its heartbeat pass only: expiry hints \
-                 (per master) and the drift sweep are not built for clusters yet"
-            );
-            (tokio::spawn(async {}), tokio::spawn(async {}))
+        let hints = tokio::spawn(this.clone().hint_loop(shutdown.clone()));
+        let sweeper = if this.conn.is_cluster() {
+            warn!("on a Redis Cluster the drift sweep is not built yet: the reconciler runs its pass and expiry hints");
+            tokio::spawn(async {})
         } else {
-            (
-                tokio::spawn(this.clone().hint_loop(shutdown.clone())),
-                tokio::spawn(this.clone().sweep_loop(shutdown.clone())),
-            )
+            tokio::spawn(this.clone().sweep_loop(shutdown.clone()))
         };
         let interval = Duration::from_millis(this.settings.reconcile_interval_ms);
         loop {
@@ -520,14 +515,69 @@ impl Reconciler {
         }
     }
 
-    /// Listens for liveness-key expiries and checks those servers at once. Reconnects
-    /// with backoff; after each (re)subscription a pass covers what was missed.
+    /// Listens for liveness-key expiries and checks those servers at once: on one node,
+    /// or on every master of a cluster (notifications are per node).
     async fn hint_loop(self: Arc<Self>, shutdown: CancellationToken) {
-        let Some(client) = self.client.clone() else {
-            return;
-        };
-        self.ensure_notifications().await;
-        let db = client.get_connection_info().redis_settings().db();
+        if let Some(client) = self.client.clone() {
+            self.ensure_notifications(&self.conn).await;
+            let db = client.get_connection_info().redis_settings().db();
+            return self.subscribe_hints(client, db, shutdown).await;
+        }
+        self.hint_loop_on_cluster(shutdown).await
+    }
+
+    /// One subscription per master; when the set of masters changes (a failover, a
+    /// reshard), the subscriptions are made again.
+    async fn hint_loop_on_cluster(self: Arc<Self>, shutdown: CancellationToken) {
+        let mut known: Vec<(String, u16)> = Vec::new();
+        let mut subscriptions = CancellationToken::new();
+        loop {
+            match conn::cluster_masters(&self.conn).await {
+                Ok(masters) if masters != known => {
+                    subscriptions.cancel();
+                    subscriptions = shutdown.child_token();
+                    for (host, port) in &masters {
+                        let client = match conn::node_client(&self.settings, host, *port) {
+                            Ok(c) => c,
+                            Err(e) => {
+                                warn!(%host, port, error = %e, "no client for a master; its expiry hints are missed");
+                                continue;
+                            }
+                        };
+                        if let Ok(node) = conn::shared(&client) {
+                            self.ensure_notifications(&node).await;
+                        }
+                        tokio::spawn(self.clone().subscribe_hints(
+                            client,
+                            0,
+                            subscriptions.clone(),
+                        ));
+                    }
+                    info!(
+                        masters = masters.len(),
+                        "listening for liveness-key expiries on every master"
+                    );
+                    known = masters;
+                }
+                Ok(_) => {}
+                Err(e) => debug!(error = %e, "listing the cluster's masters failed"),
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_secs(5)) => {}
+                _ = shutdown.cancelled() => return,
+            }
+        }
+    }
+
+    /// Subscribes `client` to `__keyevent@<db>__:expired` and checks the servers whose
+    /// liveness keys expire. Reconnects with backoff; after each (re)subscription a pass
+    /// covers what was missed.
+    async fn subscribe_hints(
+        self: Arc<Self>,
+        client: redis::Client,
+        db: i64,
+        shutdown: CancellationToken,
+    ) {
         let channel = format!("__keyevent@{db}__:expired");
         let mut backoff = backon::BackoffBuilder::build(policy());
         loop {
@@ -607,8 +657,8 @@ impl Reconciler {
     }
 
     /// Makes sure expiry notifications are on, or says how to turn them on.
-    async fn ensure_notifications(&self) {
-        let mut c = self.conn.clone();
+    async fn ensure_notifications(&self, node: &RedisConn) {
+        let mut c = node.clone();
         let current: redis::RedisResult<Vec<String>> = redis::cmd("CONFIG")
             .arg("GET")
             .arg("notify-keyspace-events")

@@ -291,3 +291,60 @@ async fn the_reconciler_finds_dead_servers_on_a_cluster() {
     );
     worker.stop().await;
 }
+
+/// Keyspace notifications are per node: the reconciler listens on every master, so a
+/// server whose liveness key expires (on whichever master) is cleaned long before the
+/// next pass.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expiry_hints_arrive_from_every_master() {
+    use registry_janitor::{metrics::Metrics, reconcile::Reconciler};
+    let Some(mut f) = ClusterFixture::start(3, 0, Layout::Keys, 200).await else {
+        return;
+    };
+    f.settings.reconcile_interval_ms = 120_000;
+    f.settings.heartbeat_grace_ms = 200;
+    f.settings.keyspace_events_auto = true;
+    let metrics = Metrics::new();
+    let reconciler = Reconciler::new(&f.settings, metrics.clone()).await.unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let running = tokio::spawn(reconciler.run(stop.clone()));
+    // Three servers whose liveness keys land on different masters (checked below).
+    let crashed: Vec<_> = (0..3).map(|i| server(&format!("gw-crash-{i}#1"))).collect();
+    tokio::time::sleep(Duration::from_millis(500)).await; // subscriptions in place
+    for s in &crashed {
+        seed(&f.registry, &f.conn, s, 300).await;
+        f.registry.heartbeat(&f.conn, s, 700).await.unwrap();
+    }
+    let mut masters: Vec<usize> = crashed
+        .iter()
+        .filter_map(|s| f.cluster.master_of(f.keys.server_alive(s).as_bytes()))
+        .collect();
+    masters.sort();
+    masters.dedup();
+    assert!(
+        masters.len() >= 2,
+        "the liveness keys should spread over masters: {masters:?}"
+    );
+    let worker = spawn_worker(&f.settings);
+    wait_until(
+        &f.cluster.nodes[0],
+        "the crashed servers cleaned",
+        Duration::from_secs(20),
+        || async {
+            let mut left = 0;
+            for s in &crashed {
+                left += f.still_pointing(s, 300).await;
+            }
+            left == 0
+        },
+    )
+    .await;
+    assert!(
+        metrics.expiry_hints.get() >= 3,
+        "hints from the masters: {}",
+        metrics.expiry_hints.get()
+    );
+    stop.cancel();
+    running.await.unwrap().unwrap();
+    worker.stop().await;
+}
