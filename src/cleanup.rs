@@ -313,7 +313,7 @@ impl Cleaner {
 
     /// Check-and-delete of `users`' forward entries, one script per slot. Returns
     /// (deleted, kept).
-    async fn check_delete(
+    pub(crate) async fn check_delete(
         &self,
         conn: &RedisConn,
         server: &ServerId,

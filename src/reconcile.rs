@@ -384,8 +384,7 @@ impl Reconciler {
     pub async fn sweep(&self, pause: Duration) -> Result<SweepReport> {
         let mut report = SweepReport::default();
         if self.conn.is_cluster() {
-            warn!("the drift sweep is not built for Redis Cluster yet: skipped");
-            return Ok(report);
+            return self.sweep_on_cluster(pause).await;
         }
         let mut cursor = "0".to_owned();
         loop {
@@ -402,6 +401,137 @@ impl Reconciler {
         }
         self.sweep_reverse_sets(pause, &mut report).await?;
         Ok(report)
+    }
+
+    /// The forward sweep on a cluster: HSCAN of `registry` through the cluster connection
+    /// (layout hash), or SCAN of `user:*` on every master over a connection of its own
+    /// (layout keys); owners checked with single-key commands; entries of dead owners
+    /// deleted by the same per-slot check-and-delete as the cleanup (`check_delete.lua`).
+    /// The reverse-index part of the sweep is single-node only: on a cluster its read and
+    /// its SREM cannot be one atomic step. A cycle always starts at the beginning.
+    async fn sweep_on_cluster(&self, pause: Duration) -> Result<SweepReport> {
+        let mut report = SweepReport::default();
+        let pattern = format!("{}*", glob_escape(&self.keys.user_key_prefix()));
+        match self.settings.layout {
+            Layout::Hash => {
+                let mut cursor = 0u64;
+                loop {
+                    let (next, flat): (u64, Vec<Vec<u8>>) = redis::cmd("HSCAN")
+                        .arg(self.keys.registry())
+                        .arg(cursor)
+                        .arg("COUNT")
+                        .arg(self.settings.sweep_count)
+                        .query_async(&mut self.conn.clone())
+                        .await?;
+                    let pairs: Vec<(Vec<u8>, Vec<u8>)> = flat
+                        .chunks_exact(2)
+                        .map(|p| (p[0].clone(), p[1].clone()))
+                        .collect();
+                    self.remove_entries_of_dead_owners(pairs, &mut report)
+                        .await?;
+                    if next == 0 {
+                        return Ok(report);
+                    }
+                    cursor = next;
+                    tokio::time::sleep(pause).await;
+                }
+            }
+            Layout::Keys => {
+                let user_prefix = self.keys.user_key_prefix().into_bytes();
+                for (host, port) in conn::cluster_masters(&self.conn).await? {
+                    let node = conn::shared(&conn::node_client(&self.settings, &host, port)?)?;
+                    let mut cursor = 0u64;
+                    loop {
+                        let (next, found): (u64, Vec<Vec<u8>>) = redis::cmd("SCAN")
+                            .arg(cursor)
+                            .arg("MATCH")
+                            .arg(&pattern)
+                            .arg("COUNT")
+                            .arg(self.settings.sweep_count)
+                            .arg("TYPE")
+                            .arg("string")
+                            .query_async(&mut node.clone())
+                            .await?;
+                        // One GET per key, pipelined on this node's own connection.
+                        let gets = found
+                            .iter()
+                            .map(|k| redis::cmd("GET").arg(k).to_owned())
+                            .collect();
+                        let owners: Vec<Option<Vec<u8>>> =
+                            conn::each_in_flight(&node, gets).await?;
+                        let pairs = found
+                            .iter()
+                            .zip(owners)
+                            .filter_map(|(k, o)| {
+                                Some((k.strip_prefix(user_prefix.as_slice())?.to_vec(), o?))
+                            })
+                            .collect();
+                        self.remove_entries_of_dead_owners(pairs, &mut report)
+                            .await?;
+                        if next == 0 {
+                            break;
+                        }
+                        cursor = next;
+                        tokio::time::sleep(pause).await;
+                    }
+                }
+                Ok(report)
+            }
+        }
+    }
+
+    /// Of (user, owner) pairs read by a sweep step, deletes (atomically re-checked) the
+    /// entries whose owner is dead now.
+    async fn remove_entries_of_dead_owners(
+        &self,
+        pairs: Vec<(Vec<u8>, Vec<u8>)>,
+        report: &mut SweepReport,
+    ) -> Result<()> {
+        report.steps += 1;
+        report.entries_scanned += pairs.len() as u64;
+        let mut by_owner: std::collections::BTreeMap<ServerId, Vec<Vec<u8>>> = Default::default();
+        for (user, owner) in pairs {
+            // An owner that is not a valid server id never goes into a key name.
+            if let Some(owner) = std::str::from_utf8(&owner)
+                .ok()
+                .and_then(|o| ServerId::parse(o).ok())
+            {
+                by_owner.entry(owner).or_default().push(user);
+            }
+        }
+        let owners: Vec<&ServerId> = by_owner.keys().collect();
+        let exists = owners
+            .iter()
+            .map(|s| {
+                redis::cmd("EXISTS")
+                    .arg(self.keys.server_alive(s))
+                    .to_owned()
+            })
+            .collect();
+        let scores = owners
+            .iter()
+            .map(|s| {
+                redis::cmd("ZSCORE")
+                    .arg(self.keys.servers())
+                    .arg(s.as_str())
+                    .to_owned()
+            })
+            .collect();
+        let alive: Vec<bool> = conn::each_in_flight(&self.conn, exists).await?;
+        let scores: Vec<Option<f64>> = conn::each_in_flight(&self.conn, scores).await?;
+        let cutoff = self.cutoff_ms();
+        let cleaner = crate::cleanup::Cleaner::new(self.keys.clone(), self.settings.layout, 1, 1);
+        for ((owner, users), (has_key, score)) in by_owner.iter().zip(alive.into_iter().zip(scores))
+        {
+            let dead = !has_key && score.is_none_or(|s| s as u64 <= cutoff);
+            if dead {
+                let (removed, _) = cleaner.check_delete(&self.conn, owner, users).await?;
+                report.entries_removed += removed;
+                self.metrics.drift_entries_removed.inc_by(removed);
+            }
+        }
+        self.health.beat();
+        Ok(())
     }
 
     async fn sweep_reverse_sets(&self, pause: Duration, report: &mut SweepReport) -> Result<()> {
@@ -434,12 +564,7 @@ impl Reconciler {
             "reconciler starting"
         );
         let hints = tokio::spawn(this.clone().hint_loop(shutdown.clone()));
-        let sweeper = if this.conn.is_cluster() {
-            warn!("on a Redis Cluster the drift sweep is not built yet: the reconciler runs its pass and expiry hints");
-            tokio::spawn(async {})
-        } else {
-            tokio::spawn(this.clone().sweep_loop(shutdown.clone()))
-        };
+        let sweeper = tokio::spawn(this.clone().sweep_loop(shutdown.clone()));
         let interval = Duration::from_millis(this.settings.reconcile_interval_ms);
         loop {
             this.health.beat();
@@ -472,6 +597,21 @@ impl Reconciler {
     async fn sweep_loop(self: Arc<Self>, shutdown: CancellationToken) {
         let pause = Duration::from_millis(self.settings.sweep_pause_ms);
         let interval = Duration::from_millis(self.settings.reconcile_interval_ms);
+        if self.conn.is_cluster() {
+            // On a cluster: one complete cycle per interval (see `sweep_on_cluster`).
+            loop {
+                self.health.beat();
+                match self.sweep(pause).await {
+                    Ok(r) if r.entries_removed > 0 => info!(?r, "drift sweep cycle done"),
+                    Ok(r) => debug!(?r, "drift sweep cycle done"),
+                    Err(e) => warn!(error = %e, "drift sweep failed; next cycle in an interval"),
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(interval) => {}
+                    _ = shutdown.cancelled() => return,
+                }
+            }
+        }
         let mut cycle = SweepReport::default();
         loop {
             self.health.beat();

@@ -348,3 +348,62 @@ async fn expiry_hints_arrive_from_every_master() {
     running.await.unwrap().unwrap();
     worker.stop().await;
 }
+
+/// The drift sweep on a cluster (HSCAN of the registry, or SCAN on every master): the
+/// entries of an owner no index knows are removed; live entries and an entry whose owner
+/// is not a valid id stay.
+async fn drift_is_repaired_on_a_cluster(layout: Layout) {
+    use registry_janitor::{metrics::Metrics, reconcile::Reconciler};
+    let Some(f) = ClusterFixture::start(3, 0, layout, 200).await else {
+        return;
+    };
+    let (live, ghost) = (server("gw-live#1"), server("gw-ghost#1"));
+    seed(&f.registry, &f.conn, &live, 1_000).await;
+    let mut c = f.conn.clone();
+    let entry = |user: &[u8], owner: &str| match layout {
+        Layout::Hash => redis::cmd("HSET")
+            .arg(f.keys.registry())
+            .arg(user)
+            .arg(owner)
+            .to_owned(),
+        Layout::Keys => redis::cmd("SET")
+            .arg(f.keys.user(user))
+            .arg(owner)
+            .to_owned(),
+    };
+    for n in 0..500 {
+        let _: () = entry(&user(&ghost, n), ghost.as_str())
+            .query_async(&mut c)
+            .await
+            .unwrap();
+    }
+    let _: () = entry(b"odd-user", "bad{owner}")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let reconciler = Reconciler::new(&f.settings, Metrics::new()).await.unwrap();
+    let report = reconciler.run_once().await.unwrap();
+    assert_eq!(report.sweep.entries_removed, 500, "{report}");
+    assert_eq!(f.still_pointing(&ghost, 500).await, 0);
+    assert_eq!(f.still_pointing(&live, 1_000).await, 1_000);
+    assert_eq!(
+        f.registry
+            .owner(&f.conn, b"odd-user")
+            .await
+            .unwrap()
+            .as_deref(),
+        Some("bad{owner}")
+    );
+    let again = reconciler.run_once().await.unwrap();
+    assert_eq!(again.sweep.entries_removed, 0, "{again}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drift_is_repaired_on_a_cluster_hash_layout() {
+    drift_is_repaired_on_a_cluster(Layout::Hash).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drift_is_repaired_on_a_cluster_keys_layout() {
+    drift_is_repaired_on_a_cluster(Layout::Keys).await;
+}
