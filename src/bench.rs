@@ -23,10 +23,8 @@ use std::{
     time::{Duration, Instant},
 };
 
-use futures_util::stream::{FuturesUnordered, StreamExt};
-use redis::aio::MultiplexedConnection;
-
 use crate::conn::RedisConn;
+use futures_util::stream::{FuturesUnordered, StreamExt};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
@@ -60,6 +58,9 @@ pub struct Options {
     /// gives the median run of each, so one noisy run cannot decide a ratio.
     #[arg(long, default_value_t = 3)]
     pub repeat: usize,
+    /// Run on a private local Redis Cluster of 3 masters (all on this machine) instead.
+    #[arg(long)]
+    pub local_cluster: bool,
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
@@ -91,8 +92,9 @@ pub struct Run {
 pub struct Ratios {
     /// janitor users/s over unconditional users/s (target >= 0.8).
     pub throughput_vs_ceiling: f64,
-    /// janitor Redis CPU per user over careful's (target <= 0.75).
-    pub redis_cpu_vs_careful: f64,
+    /// janitor Redis CPU per user over careful's (target <= 0.75); none on a cluster,
+    /// where the careful reference (one script over two slots) cannot run.
+    pub redis_cpu_vs_careful: Option<f64>,
     /// janitor users/s over naive users/s (target >= 15).
     pub speedup_vs_naive: f64,
     /// janitor peak RSS at `users` over at `baseline_users` (target <= 1.2).
@@ -120,11 +122,18 @@ impl Report {
 
 /// Runs the benchmark; `worker_exe` is the `registry-janitor` binary to start workers from.
 pub async fn run(settings: &Settings, options: &Options, worker_exe: &Path) -> Result<Report> {
-    let (settings, _private) = local_redis(settings).await?;
-    let conn = conn::shared(&conn::client_for(&settings)?)?;
+    let (settings, _private) = bench_redis(settings, options).await?;
+    let conn = conn::shared_for(&conn::target_for(&settings)?).await?;
+    // On a cluster INFO goes to every node: ask one master.
+    let one_node = match conn::cluster_masters(&conn).await {
+        Ok(masters) if conn.is_cluster() && !masters.is_empty() => {
+            conn::shared(&conn::node_client(&settings, &masters[0].0, masters[0].1)?)?
+        }
+        _ => conn.clone(),
+    };
     let info: String = redis::cmd("INFO")
         .arg("server")
-        .query_async(&mut conn.clone())
+        .query_async(&mut one_node.clone())
         .await?;
     let redis_version = info_field(&info, "redis_version").unwrap_or_default();
     let root = format!(
@@ -144,9 +153,12 @@ pub async fn run(settings: &Settings, options: &Options, worker_exe: &Path) -> R
                 )
                 .await?,
             );
-            repeats.push(
-                reference_run(&settings, &conn, &root, Reference::Careful, users, options).await?,
-            );
+            if !settings.redis_cluster {
+                repeats.push(
+                    reference_run(&settings, &conn, &root, Reference::Careful, users, options)
+                        .await?,
+                );
+            }
             repeats.push(
                 reference_run(
                     &settings,
@@ -160,7 +172,9 @@ pub async fn run(settings: &Settings, options: &Options, worker_exe: &Path) -> R
             );
         }
         for name in ["janitor", "unconditional", "careful"] {
-            runs.push(median(&repeats, name));
+            if repeats.iter().any(|r| r.name == name) {
+                runs.push(median(&repeats, name));
+            }
         }
         if options.baseline_users > 0 {
             let users = options.baseline_users;
@@ -191,7 +205,7 @@ pub async fn run(settings: &Settings, options: &Options, worker_exe: &Path) -> R
         Ok::<_, Error>(())
     }
     .await;
-    delete_prefixed(&conn, &root).await?;
+    delete_all(&settings, &conn, &root).await?;
     result?;
 
     let get = |name: &str| {
@@ -208,8 +222,8 @@ pub async fn run(settings: &Settings, options: &Options, worker_exe: &Path) -> R
     );
     let ratios = Ratios {
         throughput_vs_ceiling: janitor.users_per_second / ceiling.users_per_second.max(1e-9),
-        redis_cpu_vs_careful: janitor.redis_cpu_us_per_user
-            / careful.redis_cpu_us_per_user.max(1e-9),
+        redis_cpu_vs_careful: (careful.users > 0)
+            .then(|| janitor.redis_cpu_us_per_user / careful.redis_cpu_us_per_user.max(1e-9)),
         speedup_vs_naive: janitor.users_per_second / naive.users_per_second.max(1e-9),
         memory_growth: runs
             .iter()
@@ -259,6 +273,71 @@ fn median(runs: &[Run], name: &str) -> Run {
         stale_left: of.iter().map(|r| r.stale_left).max().unwrap_or(0),
         live_lost: of.iter().map(|r| r.live_lost).max().unwrap_or(0),
     }
+}
+
+/// Keeps a private Redis (node or cluster) alive for the benchmark's duration.
+#[allow(dead_code)] // the fields are held for their Drop (which stops the servers)
+enum Private {
+    Node(Option<crate::redis_server::RedisServer>),
+    Cluster(crate::redis_server::RedisCluster),
+}
+
+/// The Redis the benchmark runs on: a private local cluster with `--local-cluster`, the
+/// configured cluster with `redis_cluster`, else the configured node or a private one.
+async fn bench_redis(settings: &Settings, options: &Options) -> Result<(Settings, Private)> {
+    if options.local_cluster {
+        let cluster =
+            tokio::task::spawn_blocking(|| crate::redis_server::RedisCluster::start(3, 0))
+                .await
+                .map_err(|e| Error::Protocol(e.to_string()))??;
+        eprintln!(
+            "started a private Redis Cluster of 3 masters on this machine: {:?}",
+            cluster.seeds()
+        );
+        let mut settings = settings.clone();
+        settings.redis_cluster = true;
+        settings.redis_url = cluster.url();
+        settings.redis_cluster_seeds = cluster.seeds();
+        return Ok((settings, Private::Cluster(cluster)));
+    }
+    if settings.redis_cluster {
+        return Ok((settings.clone(), Private::Node(None)));
+    }
+    let (settings, private) = local_redis(settings).await?;
+    Ok((settings, Private::Node(private)))
+}
+
+/// Deletes every key under `prefix`: on a cluster, SCAN on every master and UNLINK key by
+/// key (keys of different slots cannot go in one command).
+async fn delete_all(settings: &Settings, conn: &RedisConn, prefix: &str) -> Result<()> {
+    if !conn.is_cluster() {
+        return delete_prefixed(conn, prefix).await;
+    }
+    let pattern = format!("{}*", crate::reconcile::glob_escape(prefix));
+    for (host, port) in conn::cluster_masters(conn).await? {
+        let node = conn::shared(&conn::node_client(settings, &host, port)?)?;
+        let mut cursor = 0u64;
+        loop {
+            let (next, found): (u64, Vec<Vec<u8>>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(&pattern)
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(&mut node.clone())
+                .await?;
+            let unlinks = found
+                .iter()
+                .map(|k| redis::cmd("UNLINK").arg(k).to_owned())
+                .collect();
+            let _: Vec<i64> = conn::each_in_flight(conn, unlinks).await?;
+            if next == 0 {
+                break;
+            }
+            cursor = next;
+        }
+    }
+    Ok(())
 }
 
 fn layout_name(layout: Layout) -> &'static str {
@@ -375,10 +454,23 @@ fn scene(settings: &Settings, root: &str, name: &str, users: usize, options: &Op
 }
 
 /// Redis main-thread CPU seconds so far.
-async fn redis_cpu(conn: &RedisConn) -> Result<f64> {
+async fn redis_cpu(settings: &Settings, conn: &RedisConn) -> Result<f64> {
+    if !conn.is_cluster() {
+        return node_cpu(conn).await;
+    }
+    // Every master's main thread: the cleanup spreads over all of them.
+    let mut total = 0.0;
+    for (host, port) in conn::cluster_masters(conn).await? {
+        total += node_cpu(&conn::shared(&conn::node_client(settings, &host, port)?)?).await?;
+    }
+    Ok(total)
+}
+
+/// Main-thread CPU seconds of one Redis node so far.
+async fn node_cpu(node: &RedisConn) -> Result<f64> {
     let info: String = redis::cmd("INFO")
         .arg("cpu")
-        .query_async(&mut conn.clone())
+        .query_async(&mut node.clone())
         .await?;
     let field = |name: &str| info_field(&info, name).and_then(|v| v.parse::<f64>().ok());
     Ok(
@@ -401,17 +493,14 @@ fn info_field(info: &str, name: &str) -> Option<String> {
 /// Issues one routing lookup per millisecond on its own connection until stopped;
 /// returns the latencies in microseconds.
 async fn probe_lookups(
-    client: redis::Client,
+    target: conn::Target,
     scene_keys: Keys,
     layout: Layout,
     targets: Vec<Vec<u8>>,
     stop: CancellationToken,
 ) -> Result<Vec<u64>> {
-    let config =
-        redis::AsyncConnectionConfig::new().set_response_timeout(Some(Duration::from_secs(10)));
-    let mut c: MultiplexedConnection = client
-        .get_multiplexed_async_connection_with_config(&config)
-        .await?;
+    // A connection of its own (a new one, of the same kind as the janitor's).
+    let mut c = conn::shared_for(&target).await?;
     let mut tick = tokio::time::interval(Duration::from_millis(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     let mut latencies = Vec::with_capacity(16_384);
@@ -457,18 +546,18 @@ where
     let stop = CancellationToken::new();
     let targets: Vec<Vec<u8>> = (0..scene.live_users).map(|n| scene.live_user(n)).collect();
     let prober = tokio::spawn(probe_lookups(
-        conn::client_for(settings)?,
+        conn::target_for(settings)?,
         scene.keys.clone(),
         settings.layout,
         targets,
         stop.clone(),
     ));
     tokio::time::sleep(Duration::from_millis(20)).await;
-    let cpu_before = redis_cpu(conn).await?;
+    let cpu_before = redis_cpu(settings, conn).await?;
     let started = Instant::now();
     let peak_rss = work().await?;
     let seconds = started.elapsed().as_secs_f64();
-    let cpu = redis_cpu(conn).await? - cpu_before;
+    let cpu = redis_cpu(settings, conn).await? - cpu_before;
     stop.cancel();
     let mut latencies = prober.await.map_err(|e| Error::Protocol(e.to_string()))??;
     latencies.sort_unstable();
@@ -513,6 +602,11 @@ async fn janitor_run(
         .env("JANITOR_REDIS_URL", &settings.redis_url)
         .env("JANITOR_KEY_PREFIX", scene.keys.prefix())
         .env("JANITOR_LAYOUT", layout_name(settings.layout))
+        .env("JANITOR_REDIS_CLUSTER", settings.redis_cluster.to_string())
+        .env(
+            "JANITOR_REDIS_CLUSTER_SEEDS",
+            serde_json::to_string(&settings.redis_cluster_seeds).expect("strings serialize"),
+        )
         .env("JANITOR_CHUNK_SIZE", settings.chunk_size.to_string())
         .env(
             "JANITOR_CHUNKS_IN_FLIGHT",
@@ -663,15 +757,19 @@ async fn unconditional(conn: &RedisConn, scene: &Scene, layout: Layout) -> Resul
     let mut cursor = 0;
     loop {
         let (next, members) = sscan(conn, &set, cursor).await?;
-        let mut pipe = redis::pipe();
-        for m in &members {
-            match layout {
-                Layout::Hash => pipe.hdel(scene.keys.registry(), m).ignore(),
-                Layout::Keys => pipe.del(scene.keys.user(m)).ignore(),
-            };
-        }
-        let mut c = conn.clone();
-        in_flight.push(async move { pipe.query_async::<()>(&mut c).await });
+        // One delete per user: a pipeline on one node, many in flight on a cluster.
+        let deletes: Vec<redis::Cmd> = members
+            .iter()
+            .map(|m| match layout {
+                Layout::Hash => redis::cmd("HDEL")
+                    .arg(scene.keys.registry())
+                    .arg(m)
+                    .to_owned(),
+                Layout::Keys => redis::cmd("DEL").arg(scene.keys.user(m)).to_owned(),
+            })
+            .collect();
+        let c = conn.clone();
+        in_flight.push(async move { conn::each_in_flight::<i64>(&c, deletes).await });
         while in_flight.len() >= 4 {
             in_flight.next().await.transpose()?;
         }
@@ -825,11 +923,10 @@ impl std::fmt::Display for Report {
             "  throughput vs unconditional ceiling {:>6.2}x  (target >= 0.8)",
             r.throughput_vs_ceiling
         )?;
-        writeln!(
-            f,
-            "  Redis CPU per user vs careful        {:>6.2}x  (target <= 0.75)",
-            r.redis_cpu_vs_careful
-        )?;
+        match r.redis_cpu_vs_careful {
+            Some(x) => writeln!(f, "  Redis CPU per user vs careful        {x:>6.2}x  (target <= 0.75)")?,
+            None => writeln!(f, "  Redis CPU per user vs careful             -  (no careful reference on a cluster)")?,
+        }
         writeln!(
             f,
             "  max lookup stall                     {:>6.1} ms (target < 15)",

@@ -72,3 +72,45 @@ fn bench_verifies_every_run_hash_layout() {
 fn bench_verifies_every_run_keys_layout() {
     bench(Layout::Keys);
 }
+
+/// The bench on a private local cluster (`--local-cluster`), layout keys (the per-slot
+/// path): every run verified; the careful reference does not exist there.
+#[test]
+fn bench_verifies_every_run_on_a_local_cluster() {
+    if !registry_janitor::redis_server::RedisCluster::supported() {
+        eprintln!("SKIPPED: this redis-server cannot run a cluster");
+        return;
+    }
+    let redis = redis(); // only for a settings template; the bench starts its own cluster
+    let mut settings = settings(&redis, Layout::Keys);
+    settings.redis_url = "redis://127.0.0.1:1".into();
+    let out = janitor(&settings)
+        .args([
+            "bench",
+            "--local-cluster",
+            "--users",
+            "5000",
+            "--naive-sample",
+            "300",
+        ])
+        .args(["--baseline-users", "1000", "--repeat", "1", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "bench failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let runs = report["runs"].as_array().unwrap();
+    for name in ["janitor", "janitor_baseline", "naive"] {
+        let r = runs.iter().find(|r| r["name"] == name).unwrap();
+        assert_eq!(
+            (r["stale_left"].as_u64(), r["live_lost"].as_u64()),
+            (Some(0), Some(0)),
+            "{name}: {r}"
+        );
+    }
+    assert!(runs.iter().all(|r| r["name"] != "careful"));
+    assert!(report["ratios"]["redis_cpu_vs_careful"].is_null());
+}
