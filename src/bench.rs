@@ -318,14 +318,7 @@ async fn delete_all(settings: &Settings, conn: &RedisConn, prefix: &str) -> Resu
         let node = conn::shared(&conn::node_client(settings, &host, port)?)?;
         let mut cursor = 0u64;
         loop {
-            let (next, found): (u64, Vec<Vec<u8>>) = redis::cmd("SCAN")
-                .arg(cursor)
-                .arg("MATCH")
-                .arg(&pattern)
-                .arg("COUNT")
-                .arg(1000)
-                .query_async(&mut node.clone())
-                .await?;
+            let (next, found) = crate::conn::scan_page(&node, cursor, &pattern, 1000, None).await?;
             let unlinks = found
                 .iter()
                 .map(|k| redis::cmd("UNLINK").arg(k).to_owned())

@@ -42,14 +42,7 @@ pub fn client(url: &str) -> Result<redis::Client> {
 /// or `redis_password` if set, and the TLS files for a `rediss://` URL.
 pub fn client_for(settings: &Settings) -> Result<redis::Client> {
     install_crypto_provider();
-    let mut info = settings.redis_url.as_str().into_connection_info()?;
-    if let Some(password) = settings.redis_password()? {
-        let redis = info
-            .redis_settings()
-            .clone()
-            .set_password(password.expose());
-        info = info.set_redis_settings(redis);
-    }
+    let info = connection_info(settings)?;
     let read = |name: &'static str, path: &std::path::Path| {
         std::fs::read(path).map_err(|e| Error::Setting {
             name: name.into(),
@@ -115,6 +108,41 @@ pub async fn each_in_flight<T: redis::FromRedisValue + Send + 'static>(
     Ok(replies
         .into_iter()
         .collect::<redis::RedisResult<Vec<T>>>()?)
+}
+
+/// `redis_url` with the password from `redis_password_file` or `redis_password`, if set.
+fn connection_info(settings: &Settings) -> Result<redis::ConnectionInfo> {
+    let info = settings.redis_url.as_str().into_connection_info()?;
+    Ok(match settings.redis_password()? {
+        Some(password) => {
+            let redis = info
+                .redis_settings()
+                .clone()
+                .set_password(password.expose());
+            info.set_redis_settings(redis)
+        }
+        None => info,
+    })
+}
+
+/// One page of SCAN on one node: keys matching `pattern` (and of `kind`, if given).
+pub async fn scan_page(
+    node: &RedisConn,
+    cursor: u64,
+    pattern: &str,
+    count: usize,
+    kind: Option<&str>,
+) -> Result<(u64, Vec<Vec<u8>>)> {
+    let mut cmd = redis::cmd("SCAN");
+    cmd.arg(cursor)
+        .arg("MATCH")
+        .arg(pattern)
+        .arg("COUNT")
+        .arg(count);
+    if let Some(kind) = kind {
+        cmd.arg("TYPE").arg(kind);
+    }
+    Ok(cmd.query_async(&mut node.clone()).await?)
 }
 
 /// rustls needs a process-wide crypto provider before the first `rediss://` connection.
@@ -233,15 +261,8 @@ pub async fn cluster_masters(conn: &RedisConn) -> Result<Vec<(String, u16)>> {
 /// per node (keyspace notifications, SCAN).
 pub fn node_client(settings: &Settings, host: &str, port: u16) -> Result<redis::Client> {
     install_crypto_provider();
-    let mut info = settings.redis_url.as_str().into_connection_info()?;
-    info = info.set_addr(redis::ConnectionAddr::Tcp(host.to_owned(), port));
-    if let Some(password) = settings.redis_password()? {
-        let redis = info
-            .redis_settings()
-            .clone()
-            .set_password(password.expose());
-        info = info.set_redis_settings(redis);
-    }
+    let info =
+        connection_info(settings)?.set_addr(redis::ConnectionAddr::Tcp(host.to_owned(), port));
     Ok(redis::Client::open(info)?)
 }
 

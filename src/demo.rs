@@ -386,14 +386,7 @@ pub async fn delete_prefixed(conn: &RedisConn, prefix: &str) -> Result<()> {
     let pattern = format!("{}*", crate::reconcile::glob_escape(prefix));
     let mut cursor: u64 = 0;
     loop {
-        let (next, found): (u64, Vec<Vec<u8>>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(&pattern)
-            .arg("COUNT")
-            .arg(1000)
-            .query_async(&mut c)
-            .await?;
+        let (next, found) = crate::conn::scan_page(&c, cursor, &pattern, 1000, None).await?;
         if !found.is_empty() {
             let _: i64 = redis::cmd("UNLINK").arg(found).query_async(&mut c).await?;
         }

@@ -442,16 +442,14 @@ impl Reconciler {
                     let node = conn::shared(&conn::node_client(&self.settings, &host, port)?)?;
                     let mut cursor = 0u64;
                     loop {
-                        let (next, found): (u64, Vec<Vec<u8>>) = redis::cmd("SCAN")
-                            .arg(cursor)
-                            .arg("MATCH")
-                            .arg(&pattern)
-                            .arg("COUNT")
-                            .arg(self.settings.sweep_count)
-                            .arg("TYPE")
-                            .arg("string")
-                            .query_async(&mut node.clone())
-                            .await?;
+                        let (next, found) = crate::conn::scan_page(
+                            &node,
+                            cursor,
+                            &pattern,
+                            self.settings.sweep_count,
+                            Some("string"),
+                        )
+                        .await?;
                         // One GET per key, pipelined on this node's own connection.
                         let gets = found
                             .iter()
