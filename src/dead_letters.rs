@@ -4,7 +4,8 @@
 //! original field already called so is kept as `original_<name>`). Replay strips the
 //! janitor's fields, restores the originals and publishes the entry again on the events
 //! stream, deleting the dead letter in the same MULTI, so an entry is never in both
-//! streams nor in neither.
+//! streams nor in neither (on a cluster, where the two streams are in different slots,
+//! XADD then XDEL: a crash between them leaves it in both, never in neither).
 
 use crate::conn::RedisConn;
 use serde::Serialize;
@@ -124,14 +125,24 @@ pub async fn replay(
         for (k, v) in original_fields(&dead) {
             xadd.arg(k).arg(v);
         }
-        let (new_id, _): (String, i64) = redis::pipe()
-            .atomic()
-            .add_command(xadd)
-            .cmd("XDEL")
-            .arg(keys.dead_letters())
-            .arg(&dead.id)
-            .query_async(&mut conn.clone())
-            .await?;
+        let mut xdel = redis::cmd("XDEL");
+        xdel.arg(keys.dead_letters()).arg(&dead.id);
+        let new_id: String = if conn.is_cluster() {
+            // The two streams are in different slots: no MULTI. A crash between the two
+            // leaves the dead letter in place too (replaying it again is harmless: the
+            // cleanup is idempotent).
+            let id = xadd.query_async(&mut conn.clone()).await?;
+            let _: i64 = xdel.query_async(&mut conn.clone()).await?;
+            id
+        } else {
+            let (id, _): (String, i64) = redis::pipe()
+                .atomic()
+                .add_command(xadd)
+                .add_command(xdel)
+                .query_async(&mut conn.clone())
+                .await?;
+            id
+        };
         replayed.push((dead.id, new_id));
     }
     Ok(replayed)

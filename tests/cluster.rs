@@ -412,3 +412,47 @@ async fn drift_is_repaired_on_a_cluster_hash_layout() {
 async fn drift_is_repaired_on_a_cluster_keys_layout() {
     drift_is_repaired_on_a_cluster(Layout::Keys).await;
 }
+
+/// Dead letters on a cluster: written (XADD, then XACK), listed, replayed (XADD, then
+/// XDEL: the two streams are in different slots) and purged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_written_and_replayed_on_a_cluster() {
+    use registry_janitor::dead_letters;
+    let Some(f) = ClusterFixture::start(3, 0, Layout::Hash, 200).await else {
+        return;
+    };
+    registry_janitor::stream::publish(
+        &f.conn,
+        &f.keys.events(),
+        &[(b"type", b"server.dead"), (b"payload", b"junk")],
+    )
+    .await
+    .unwrap();
+    let worker = spawn_worker(&f.settings);
+    f.wait_idle(Duration::from_secs(30)).await;
+    let letters = dead_letters::list(&f.conn, &f.keys, 10).await.unwrap();
+    assert_eq!(letters.len(), 1);
+    assert!(
+        letters[0].error.contains("MessagePack"),
+        "{}",
+        letters[0].error
+    );
+    let replayed = dead_letters::replay(&f.conn, &f.keys, &[letters[0].id.clone()])
+        .await
+        .unwrap();
+    assert_eq!(replayed.len(), 1);
+    f.wait_idle(Duration::from_secs(30)).await; // dead-lettered again, by the worker
+    assert_eq!(
+        dead_letters::list(&f.conn, &f.keys, 10)
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+    assert_eq!(dead_letters::purge(&f.conn, &f.keys, &[]).await.unwrap(), 1);
+    assert!(dead_letters::list(&f.conn, &f.keys, 10)
+        .await
+        .unwrap()
+        .is_empty());
+    worker.stop().await;
+}
