@@ -31,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     config::{Layout, Settings},
     conn,
-    demo::{delete_prefixed, local_redis},
+    demo::local_redis,
     error::{Error, Result},
     event::{ServerDead, ServerId},
     keys::Keys,
@@ -205,7 +205,7 @@ pub async fn run(settings: &Settings, options: &Options, worker_exe: &Path) -> R
         Ok::<_, Error>(())
     }
     .await;
-    delete_all(&settings, &conn, &root).await?;
+    conn::delete_prefixed(&settings, &conn, &root).await?;
     result?;
 
     let get = |name: &str| {
@@ -305,32 +305,6 @@ async fn bench_redis(settings: &Settings, options: &Options) -> Result<(Settings
     }
     let (settings, private) = local_redis(settings).await?;
     Ok((settings, Private::Node(private)))
-}
-
-/// Deletes every key under `prefix`: on a cluster, SCAN on every master and UNLINK key by
-/// key (keys of different slots cannot go in one command).
-async fn delete_all(settings: &Settings, conn: &RedisConn, prefix: &str) -> Result<()> {
-    if !conn.is_cluster() {
-        return delete_prefixed(conn, prefix).await;
-    }
-    let pattern = format!("{}*", crate::reconcile::glob_escape(prefix));
-    for (host, port) in conn::cluster_masters(conn).await? {
-        let node = conn::shared(&conn::node_client(settings, &host, port)?)?;
-        let mut cursor = 0u64;
-        loop {
-            let (next, found) = crate::conn::scan_page(&node, cursor, &pattern, 1000, None).await?;
-            let unlinks = found
-                .iter()
-                .map(|k| redis::cmd("UNLINK").arg(k).to_owned())
-                .collect();
-            let _: Vec<i64> = conn::each_in_flight(conn, unlinks).await?;
-            if next == 0 {
-                break;
-            }
-            cursor = next;
-        }
-    }
-    Ok(())
 }
 
 fn layout_name(layout: Layout) -> &'static str {
@@ -652,7 +626,7 @@ async fn janitor_run(
     .await;
     let _ = child.start_kill();
     let _ = child.wait().await;
-    delete_prefixed(conn, scene.keys.prefix()).await?;
+    conn::delete_prefixed(settings, conn, scene.keys.prefix()).await?;
     run
 }
 
@@ -730,7 +704,7 @@ async fn reference_run(
         Ok(None)
     })
     .await;
-    delete_prefixed(conn, scene.keys.prefix()).await?;
+    conn::delete_prefixed(settings, conn, scene.keys.prefix()).await?;
     run
 }
 

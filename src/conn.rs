@@ -110,6 +110,64 @@ pub async fn each_in_flight<T: redis::FromRedisValue + Send + 'static>(
         .collect::<redis::RedisResult<Vec<T>>>()?)
 }
 
+/// Runs `cmds` as one MULTI/EXEC on a single node (all or nothing). On a cluster the
+/// keys may live in different slots, where no MULTI can hold them: the commands run one
+/// after another, in the given order, and a crash between two of them leaves the earlier
+/// ones done. Callers order the commands so that such a state is harmless.
+pub async fn transaction(conn: &RedisConn, cmds: Vec<redis::Cmd>) -> Result<Vec<redis::Value>> {
+    if conn.is_cluster() {
+        let mut replies = Vec::with_capacity(cmds.len());
+        for cmd in cmds {
+            replies.push(cmd.query_async(&mut conn.clone()).await?);
+        }
+        return Ok(replies);
+    }
+    let mut pipe = redis::pipe();
+    pipe.atomic();
+    for cmd in cmds {
+        pipe.add_command(cmd);
+    }
+    Ok(pipe.query_async(&mut conn.clone()).await?)
+}
+
+/// Deletes every key under `prefix` (SCAN + UNLINK): on a cluster, SCAN on every master
+/// and UNLINK key by key (keys of different slots cannot go in one command).
+pub async fn delete_prefixed(settings: &Settings, conn: &RedisConn, prefix: &str) -> Result<()> {
+    let pattern = crate::keys::pattern_under(prefix);
+    let nodes = if conn.is_cluster() {
+        let mut nodes = Vec::new();
+        for (host, port) in cluster_masters(conn).await? {
+            nodes.push(shared(&node_client(settings, &host, port)?)?);
+        }
+        nodes
+    } else {
+        vec![conn.clone()]
+    };
+    for node in nodes {
+        let mut cursor = 0u64;
+        loop {
+            let (next, found) = scan_page(&node, cursor, &pattern, 1000, None).await?;
+            if conn.is_cluster() {
+                let unlinks = found
+                    .iter()
+                    .map(|k| redis::cmd("UNLINK").arg(k).to_owned())
+                    .collect();
+                let _: Vec<i64> = each_in_flight(conn, unlinks).await?;
+            } else if !found.is_empty() {
+                let _: i64 = redis::cmd("UNLINK")
+                    .arg(found)
+                    .query_async(&mut node.clone())
+                    .await?;
+            }
+            if next == 0 {
+                break;
+            }
+            cursor = next;
+        }
+    }
+    Ok(())
+}
+
 /// `redis_url` with the password from `redis_password_file` or `redis_password`, if set.
 fn connection_info(settings: &Settings) -> Result<redis::ConnectionInfo> {
     let info = settings.redis_url.as_str().into_connection_info()?;

@@ -127,21 +127,12 @@ pub async fn replay(
         }
         let mut xdel = redis::cmd("XDEL");
         xdel.arg(keys.dead_letters()).arg(&dead.id);
-        let new_id: String = if conn.is_cluster() {
-            // The two streams are in different slots: no MULTI. A crash between the two
-            // leaves the dead letter in place too (replaying it again is harmless: the
-            // cleanup is idempotent).
-            let id = xadd.query_async(&mut conn.clone()).await?;
-            let _: i64 = xdel.query_async(&mut conn.clone()).await?;
-            id
-        } else {
-            let (id, _): (String, i64) = redis::pipe()
-                .atomic()
-                .add_command(xadd)
-                .add_command(xdel)
-                .query_async(&mut conn.clone())
-                .await?;
-            id
+        // On a cluster (two slots, no MULTI) a crash between the two leaves the dead
+        // letter in place too: replaying it again is harmless, the cleanup is idempotent.
+        let replies = crate::conn::transaction(conn, vec![xadd, xdel]).await?;
+        let new_id = match replies.first() {
+            Some(redis::Value::BulkString(id)) => String::from_utf8_lossy(id).into_owned(),
+            other => return Err(Error::Protocol(format!("XADD replied {other:?}"))),
         };
         replayed.push((dead.id, new_id));
     }

@@ -142,7 +142,7 @@ pub async fn run(settings: &Settings, options: &Options) -> Result<Summary> {
     );
 
     let result = run_in(&settings, options, &conn, &keys).await;
-    let removed = delete_prefixed(&conn, keys.prefix()).await;
+    let removed = conn::delete_prefixed(&settings, &conn, keys.prefix()).await;
     let summary = result?;
     removed?;
     println!("{summary}");
@@ -378,23 +378,6 @@ async fn verify(
     let scores: Vec<Option<f64>> = scores.query_async(&mut conn.clone()).await?;
     summary.stale += sets.iter().sum::<u64>() + scores.iter().flatten().count() as u64;
     Ok(summary)
-}
-
-/// Deletes every key under `prefix` (SCAN + UNLINK, in batches).
-pub async fn delete_prefixed(conn: &RedisConn, prefix: &str) -> Result<()> {
-    let mut c = conn.clone();
-    let pattern = format!("{}*", crate::reconcile::glob_escape(prefix));
-    let mut cursor: u64 = 0;
-    loop {
-        let (next, found) = crate::conn::scan_page(&c, cursor, &pattern, 1000, None).await?;
-        if !found.is_empty() {
-            let _: i64 = redis::cmd("UNLINK").arg(found).query_async(&mut c).await?;
-        }
-        if next == 0 {
-            return Ok(());
-        }
-        cursor = next;
-    }
 }
 
 fn bar(len: u64, what: &'static str) -> ProgressBar {

@@ -115,6 +115,20 @@ impl Keys {
     }
 }
 
+/// A SCAN MATCH pattern for every key that starts with `prefix` (glob characters in the
+/// prefix escaped).
+pub fn pattern_under(prefix: &str) -> String {
+    let mut out = String::with_capacity(prefix.len() + 1);
+    for c in prefix.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out.push('*');
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -134,5 +148,6 @@ mod tests {
         assert_eq!(k.server_of_alive_key("t:server:{gw-1}:alive"), Some("gw-1"));
         assert_eq!(k.server_of_alive_key("server:{gw-1}:alive"), None);
         assert_eq!(k.server_of_alive_key("t:server:{gw-1}:users"), None);
+        assert_eq!(pattern_under("a*b[1]:"), "a\\*b\\[1\\]:*");
     }
 }

@@ -337,7 +337,7 @@ impl Reconciler {
     /// One step of the forward sweep; `cursor` None resumes from the stored cursor.
     /// Returns (next cursor, entries scanned, entries removed).
     pub async fn sweep_step(&self, cursor: Option<&str>) -> Result<(String, u64, u64)> {
-        let pattern = format!("{}*", glob_escape(&self.keys.user_key_prefix()));
+        let pattern = crate::keys::pattern_under(&self.keys.user_key_prefix());
         let mut call = SWEEP_FORWARD.prepare_invoke();
         call.key(self.keys.registry())
             .key(self.keys.sweep())
@@ -411,7 +411,7 @@ impl Reconciler {
     /// its SREM cannot be one atomic step. A cycle always starts at the beginning.
     async fn sweep_on_cluster(&self, pause: Duration) -> Result<SweepReport> {
         let mut report = SweepReport::default();
-        let pattern = format!("{}*", glob_escape(&self.keys.user_key_prefix()));
+        let pattern = crate::keys::pattern_under(&self.keys.user_key_prefix());
         match self.settings.layout {
             Layout::Hash => {
                 let mut cursor = 0u64;
@@ -859,16 +859,4 @@ pub async fn count_dead(conn: &RedisConn, keys: &Keys, grace_ms: u64) -> Result<
         dead += alive.iter().filter(|a| !**a).count() as u64;
     }
     Ok(dead)
-}
-
-/// Escapes glob metacharacters for SCAN MATCH.
-pub fn glob_escape(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out
 }

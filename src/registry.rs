@@ -65,16 +65,24 @@ impl Registry {
         .ignore();
     }
 
-    /// Registers `user` on `server` (forward entry and reverse set in one MULTI; on a
-    /// cluster, reverse set first).
+    /// Registers `user` on `server` (reverse set and forward entry in one MULTI; on a
+    /// cluster, one after the other).
     pub async fn register(&self, conn: &RedisConn, user: &[u8], server: &ServerId) -> Result<()> {
-        if conn.is_cluster() {
-            return self.register_many(conn, [user], server, 1).await;
-        }
-        let mut pipe = redis::pipe();
-        pipe.atomic();
-        self.add_register(&mut pipe, user, server);
-        let () = pipe.query_async(&mut conn.clone()).await?;
+        let mut reverse = redis::cmd("SADD");
+        reverse.arg(self.keys.server_users(server)).arg(user);
+        let forward = match self.layout {
+            Layout::Hash => redis::cmd("HSET")
+                .arg(self.keys.registry())
+                .arg(user)
+                .arg(server.as_str())
+                .to_owned(),
+            Layout::Keys => redis::cmd("SET")
+                .arg(self.keys.user(user))
+                .arg(server.as_str())
+                .to_owned(),
+        };
+        // Reverse set first: the order that matters on a cluster (see the module docs).
+        crate::conn::transaction(conn, vec![reverse, forward]).await?;
         Ok(())
     }
 
@@ -159,33 +167,17 @@ impl Registry {
 
     /// Refreshes the server's liveness key (TTL `ttl_ms`) and its `servers` score.
     pub async fn heartbeat(&self, conn: &RedisConn, server: &ServerId, ttl_ms: u64) -> Result<()> {
-        if conn.is_cluster() {
-            let () = redis::cmd("SET")
-                .arg(self.keys.server_alive(server))
-                .arg(1)
-                .arg("PX")
-                .arg(ttl_ms)
-                .query_async(&mut conn.clone())
-                .await?;
-            let _: i64 = redis::cmd("ZADD")
-                .arg(self.keys.servers())
-                .arg(crate::now_ms())
-                .arg(server.as_str())
-                .query_async(&mut conn.clone())
-                .await?;
-            return Ok(());
-        }
-        let mut pipe = redis::pipe();
-        pipe.atomic()
-            .cmd("SET")
+        let mut alive = redis::cmd("SET");
+        alive
             .arg(self.keys.server_alive(server))
             .arg(1)
             .arg("PX")
-            .arg(ttl_ms)
-            .ignore()
-            .zadd(self.keys.servers(), server.as_str(), crate::now_ms())
-            .ignore();
-        let () = pipe.query_async(&mut conn.clone()).await?;
+            .arg(ttl_ms);
+        let mut seen = redis::cmd("ZADD");
+        seen.arg(self.keys.servers())
+            .arg(crate::now_ms())
+            .arg(server.as_str());
+        crate::conn::transaction(conn, vec![alive, seen]).await?;
         Ok(())
     }
 

@@ -61,19 +61,17 @@ pub async fn collect(settings: &Settings) -> Result<Status> {
 
 pub async fn collect_from(conn: &RedisConn, keys: &Keys) -> Result<Status> {
     let mut c = conn.clone();
-    // Separate commands, not a pipeline: on a cluster the three keys are in different slots.
-    let stream_length: u64 = redis::cmd("XLEN")
-        .arg(keys.events())
-        .query_async(&mut c)
-        .await?;
-    let dead_letters: u64 = redis::cmd("XLEN")
-        .arg(keys.dead_letters())
-        .query_async(&mut c)
-        .await?;
-    let servers_known: u64 = redis::cmd("ZCARD")
-        .arg(keys.servers())
-        .query_async(&mut c)
-        .await?;
+    // One pipeline on a node; on a cluster the three keys are in different slots.
+    let counts: Vec<u64> = crate::conn::each_in_flight(
+        conn,
+        vec![
+            redis::cmd("XLEN").arg(keys.events()).to_owned(),
+            redis::cmd("XLEN").arg(keys.dead_letters()).to_owned(),
+            redis::cmd("ZCARD").arg(keys.servers()).to_owned(),
+        ],
+    )
+    .await?;
+    let (stream_length, dead_letters, servers_known) = (counts[0], counts[1], counts[2]);
     let mut status = Status {
         stream: keys.events(),
         stream_length,

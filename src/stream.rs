@@ -108,7 +108,7 @@ pub async fn ack(conn: &RedisConn, keys: &Keys, id: &str) -> Result<bool> {
 
 /// Copies `entry` to the dead-letter stream with `error` and `failed_at_ms`, and
 /// acknowledges it, in one MULTI: either both happen or neither (on a single node; see
-/// the cluster case below).
+/// `conn::transaction` for a cluster).
 pub async fn dead_letter(conn: &RedisConn, keys: &Keys, entry: &Entry, error: &str) -> Result<()> {
     let mut xadd = redis::cmd("XADD");
     xadd.arg(keys.dead_letters()).arg("*");
@@ -127,20 +127,10 @@ pub async fn dead_letter(conn: &RedisConn, keys: &Keys, entry: &Entry, error: &s
         .arg(crate::now_ms());
     let mut ack = redis::cmd("XACK");
     ack.arg(keys.events()).arg(GROUP).arg(&entry.id);
-    if conn.is_cluster() {
-        // The two streams live in different slots: no MULTI across them. A crash between
-        // the two leaves the entry pending, and its retry writes a second dead letter.
-        let _: String = xadd.query_async(&mut conn.clone()).await?;
-        let _: i64 = ack.query_async(&mut conn.clone()).await?;
-        return Ok(());
-    }
-    let mut pipe = redis::pipe();
-    pipe.atomic()
-        .add_command(xadd)
-        .ignore()
-        .add_command(ack)
-        .ignore();
-    let () = pipe.query_async(&mut conn.clone()).await?;
+    // On a cluster the two streams live in different slots and run one after the other:
+    // a crash between them leaves the entry pending, and its retry writes a second dead
+    // letter (duplicated, never lost).
+    crate::conn::transaction(conn, vec![xadd, ack]).await?;
     Ok(())
 }
 
