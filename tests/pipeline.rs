@@ -430,3 +430,29 @@ async fn user_ids_with_any_bytes_are_cleaned() {
         worker.stop().await;
     }
 }
+
+/// The connection-server API's clean disconnect: the forward entry goes only if it still
+/// names the server; the reverse-set member goes either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unregister_removes_only_an_entry_that_is_still_ours() {
+    for layout in [Layout::Hash, Layout::Keys] {
+        let f = Fixture::new(layout);
+        let (gw, other) = (server("gw-1#1"), server("gw-2#1"));
+        f.seed(&gw, 2).await;
+        let (staying, moved) = (user(&gw, 0), user(&gw, 1));
+        f.reconnect(&moved, &other).await; // moved before gw-1 saw the disconnect
+        for u in [&staying, &moved] {
+            f.registry.unregister(&f.conn, u, &gw).await.unwrap();
+        }
+        assert_eq!(f.owner(&staying).await, None, "{layout:?}");
+        assert_eq!(
+            f.owner(&moved).await.as_deref(),
+            Some("gw-2#1"),
+            "{layout:?}"
+        );
+        let members: u64 = f
+            .query(redis::cmd("SCARD").arg(f.keys.server_users(&gw)))
+            .await;
+        assert_eq!(members, 0, "{layout:?}");
+    }
+}
