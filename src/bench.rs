@@ -605,12 +605,12 @@ async fn janitor_run(
     let run = measure(settings, conn, &scene, name, || async {
         let event = ServerDead::new(&scene.dead, Some("bench".into()), Some("bench".into()));
         stream::publish_event(conn, &scene.keys, &event.encode()).await?;
-        // Cheap polls, so the bench itself costs Redis next to nothing: the reverse set
-        // is unlinked by the last step, and the acknowledgement follows right after.
-        let users_key = scene.keys.server_users(&scene.dead);
+        // Cheap polls, so the bench itself costs Redis next to nothing: the last step
+        // unlinks what is left of the reverse set and acknowledges in the same script.
+        let left = scene.keys.server_members_left(&scene.dead);
         loop {
             let exists: bool = redis::cmd("EXISTS")
-                .arg(&users_key)
+                .arg(&left)
                 .query_async(&mut conn.clone())
                 .await?;
             if !exists {

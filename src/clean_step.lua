@@ -1,65 +1,121 @@
 -- One step of cleaning a dead server, on a single Redis node (see cleanup.rs).
 --
--- Takes the next chunk of the server's reverse set with SSCAN from the cursor stored
--- in the progress hash, deletes each forward entry that still points at the dead
--- server, and stores the next cursor. The check and the delete run inside this one
--- script, so they are atomic: a user who reconnected elsewhere (forward entry now names
--- another server) is never deleted.
+-- Deletes the next chunk of forward entries that still point at the dead server; the
+-- check and the delete run inside this one script, so a user who reconnected elsewhere
+-- (forward entry now names another server) is never deleted.
 --
--- Progress is the stored cursor (with the run_id of the Redis that issued it, and a
--- count of members scanned, for progress displays),
--- so a step may be repeated, run by two workers at once, or resumed after a crash, and
--- the end state is the same. The reverse set is not modified while it is walked (no
--- SREM per member: that would cost Redis a third of the work); a dead server's set no
--- longer grows, so one complete SSCAN pass sees every member. When the cursor comes back
--- to 0 the step UNLINKs the set (freed off Redis' main thread), drops the progress hash
--- and the server's `servers` entry: the server is clean.
+-- Where the members come from, in this order:
+-- 1. `moved`: members the reverse-index sweep set aside while S looked alive (popped).
+-- 2. `walking`: S's reverse set, renamed away from `users` when a walk starts (RENAME in
+--    one hash tag is O(1)). A member added to `users` during the walk (a zombie S, a
+--    false-positive death, a registration in two steps) lands in a new `users` set,
+--    which is renamed and walked in turn once `walking` is done. SSCAN alone would not
+--    do: it does not promise to return members added during the scan.
+-- S is clean when `moved`, `walking` and `users` are all gone, as seen by one atomic
+-- step: that step unlinks the progress record, removes S from `servers` and, when given
+-- an entry id, acknowledges the event in the same script, so no member added before
+-- the acknowledgement is missed.
 --
--- KEYS[1] server:{S}:users   KEYS[2] server:{S}:cleanup   KEYS[3] servers
--- KEYS[4] registry (layout hash; unused for layout keys)
--- ARGV[1] server id   ARGV[2] SSCAN COUNT   ARGV[3] 'hash' or 'keys'
--- ARGV[4] forward key prefix for layout keys (<key_prefix>user:)
--- Returns {done (0/1), members scanned, entries deleted, entries kept (moved elsewhere)}
+-- Two ways to walk `walking`:
+-- - 'scan' (the default): SSCAN from a cursor stored in the progress hash, tied to the
+--   run_id of the Redis that issued it (a cursor means nothing to another process: after
+--   a restart or a failover the walk starts again from 0). The set is not modified while
+--   it is walked (an SREM per member would cost Redis about a third more).
+-- - 'pop': SPOP the chunk. Needs no cursor and writes nothing that takes memory, so it is
+--   used when the server is out of memory (OOM refuses HSET, not SPOP/HDEL/DEL/XACK: the
+--   cleanup is what frees memory) and when INFO gives no run_id (some proxies and managed
+--   services), where a cursor could not be trusted. Safe on one node because the pop and
+--   the deletes are one atomic script.
+-- The two may alternate or run side by side (workers on duplicate events): SSCAN still
+-- returns every member that stays in the set, and popped members were handled.
+--
+-- KEYS[1] server:{S}:users   KEYS[2] server:{S}:walking   KEYS[3] server:{S}:moved
+-- KEYS[4] server:{S}:cleanup KEYS[5] servers   KEYS[6] registry (layout hash)
+-- KEYS[7] events stream
+-- ARGV[1] server id   ARGV[2] chunk size   ARGV[3] 'hash' or 'keys'
+-- ARGV[4] forward key prefix for layout keys (<key_prefix>user:)   ARGV[5] 'scan' or 'pop'
+-- ARGV[6] consumer group   ARGV[7] entry id to acknowledge when clean ('' for none)
+-- Returns {done (0/1), members handled, entries deleted, entries kept, mode used}
 
-local users_key, progress_key, servers_key, registry_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local server, count, user_prefix = ARGV[1], ARGV[2], ARGV[4]
+local users_key, walking_key, moved_key = KEYS[1], KEYS[2], KEYS[3]
+local progress_key, servers_key, registry_key, events_key = KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+local server, count, user_prefix = ARGV[1], tonumber(ARGV[2]), ARGV[4]
 local hash_layout = ARGV[3] == 'hash'
+local mode = ARGV[5]
 
--- A SCAN cursor means something only to the Redis process that issued it: after a
--- restart or a failover the set is rebuilt with another hash seed, and an old cursor
--- would skip members. The cursor is stored with the run_id of its Redis; under another
--- run_id the walk starts again from 0 (repeating steps is harmless).
-local run_id = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
-local progress = redis.call('HMGET', progress_key, 'cursor', 'run_id')
-local cursor = progress[1] or '0'
-if progress[2] ~= run_id then
-  cursor = '0'
-  redis.call('HSET', progress_key, 'scanned', 0)
+local run_id
+if mode == 'scan' then
+  local info = redis.pcall('INFO', 'server')
+  if type(info) == 'string' then run_id = string.match(info, 'run_id:(%x+)') end
+  if not run_id then mode = 'pop' end
 end
-local scan = redis.call('SSCAN', users_key, cursor, 'COUNT', count)
-local next_cursor, members = scan[1], scan[2]
 
-local deleted, kept = 0, 0
-for first = 1, #members, BATCH do
-  local last = math.min(first + BATCH - 1, #members)
-  local owners = owners_of(members, first, last, hash_layout, registry_key, user_prefix)
-  local doomed = {}
-  for i = 1, #owners do
-    local owner = owners[i]
-    if owner == server then
-      doomed[#doomed + 1] = members[first + i - 1]
-    elseif owner then
-      kept = kept + 1
+local function check_delete(members)
+  local deleted, kept = 0, 0
+  for first = 1, #members, BATCH do
+    local last = math.min(first + BATCH - 1, #members)
+    local owners = owners_of(members, first, last, hash_layout, registry_key, user_prefix)
+    local doomed = {}
+    for i = 1, #owners do
+      local owner = owners[i]
+      if owner == server then
+        doomed[#doomed + 1] = members[first + i - 1]
+      elseif owner then
+        kept = kept + 1
+      end
     end
+    deleted = deleted + delete_forward(doomed, hash_layout, registry_key, user_prefix)
   end
-  deleted = deleted + delete_forward(doomed, hash_layout, registry_key, user_prefix)
+  return deleted, kept
 end
 
-if next_cursor == '0' then
-  redis.call('UNLINK', users_key, progress_key)
+-- Clean if nothing is left anywhere; then the bookkeeping goes and the event is acked.
+local function finish_if_clean()
+  if redis.call('EXISTS', users_key, walking_key, moved_key) > 0 then return 0 end
+  redis.call('UNLINK', progress_key)
   redis.call('ZREM', servers_key, server)
-  return {1, #members, deleted, kept}
+  if ARGV[7] ~= '' then redis.call('XACK', events_key, ARGV[6], ARGV[7]) end
+  return 1
 end
-redis.call('HSET', progress_key, 'cursor', next_cursor, 'run_id', run_id)
-redis.call('HINCRBY', progress_key, 'scanned', #members)
-return {0, #members, deleted, kept}
+
+if redis.call('EXISTS', moved_key) == 1 then
+  local popped = redis.call('ZPOPMIN', moved_key, count)
+  local members = {}
+  for i = 1, #popped, 2 do members[#members + 1] = popped[i] end
+  local deleted, kept = check_delete(members)
+  return {finish_if_clean(), #members, deleted, kept, mode}
+end
+
+if redis.call('EXISTS', walking_key) == 0 then
+  if redis.call('EXISTS', users_key) == 0 then
+    return {finish_if_clean(), 0, 0, 0, mode}
+  end
+  redis.call('RENAME', users_key, walking_key)
+  -- HDEL takes no memory: a new walk starts from cursor 0 even in 'pop' mode.
+  redis.call('HDEL', progress_key, 'cursor', 'run_id')
+end
+
+local members, walked
+if mode == 'pop' then
+  members = redis.call('SPOP', walking_key, count)
+  walked = redis.call('EXISTS', walking_key) == 0
+else
+  local progress = redis.call('HMGET', progress_key, 'cursor', 'run_id')
+  local cursor = '0'
+  if progress[2] == run_id then cursor = progress[1] or '0' end
+  local scan = redis.call('SSCAN', walking_key, cursor, 'COUNT', count)
+  members = scan[2]
+  walked = scan[1] == '0'
+  if not walked then
+    redis.call('HSET', progress_key, 'cursor', scan[1], 'run_id', run_id)
+  end
+  redis.call('HINCRBY', progress_key, 'scanned', #members)
+end
+local deleted, kept = check_delete(members)
+
+if walked then
+  redis.call('UNLINK', walking_key)
+  redis.call('HDEL', progress_key, 'cursor', 'run_id')
+  return {finish_if_clean(), #members, deleted, kept, mode}
+end
+return {0, #members, deleted, kept, mode}

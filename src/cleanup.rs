@@ -1,9 +1,13 @@
 //! Cleaning one dead server: the algorithm behind a `server.dead` event.
 //!
-//! The work is a series of steps, each one call of `clean_step.lua` on Redis: SSCAN the
-//! next chunk of the reverse set (cursor kept in `server:{S}:cleanup`), check-and-delete
-//! each forward entry atomically, SREM the chunk. No command ever loads the whole set,
-//! and one step costs Redis about a millisecond per thousand users.
+//! The work is a series of steps, each one call of `clean_step.lua` on Redis. A walk
+//! starts by renaming S's reverse set `server:{S}:users` to `server:{S}:walking` (O(1));
+//! each step SSCANs the next chunk of `walking` (cursor kept in `server:{S}:cleanup`) and
+//! check-and-deletes each forward entry atomically. Members that arrive during the walk
+//! (a zombie S, a false-positive death, a registration in two steps) land in a new
+//! `users` set, which is walked next; S is clean when a step finds nothing left, and that
+//! step acknowledges the event. No command ever loads the whole set, and one step costs
+//! Redis about a millisecond per thousand users.
 //!
 //! `chunks_in_flight` steps are kept outstanding on the multiplexed connection, so Redis
 //! always has the next step queued while the worker reads the previous answer. Steps
@@ -37,6 +41,8 @@ static CLUSTER_SCAN: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(include_str!("cluster_scan.lua")));
 static CLUSTER_ADVANCE: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(include_str!("cluster_advance.lua")));
+static RECORD_FAILURE: LazyLock<redis::Script> =
+    LazyLock::new(|| redis::Script::new(include_str!("record_failure.lua")));
 static CHECK_DELETE: LazyLock<redis::Script> = LazyLock::new(|| {
     redis::Script::new(concat!(
         include_str!("owners.lua"),
@@ -62,7 +68,7 @@ const CLUSTER_SLOTS_IN_FLIGHT: usize = 64;
 /// What one step did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Step {
-    /// The reverse set is empty and the server's bookkeeping is gone: clean.
+    /// Nothing is left to walk and the server's bookkeeping is gone: clean.
     pub done: bool,
     /// Reverse-set members handled by this step.
     pub scanned: u64,
@@ -80,6 +86,8 @@ pub struct Report {
     pub scanned: u64,
     pub deleted: u64,
     pub kept: u64,
+    /// The event's entry was acknowledged by the cleanup itself (see [`Cleaner::clean_event`]).
+    pub acknowledged: bool,
 }
 
 impl Report {
@@ -89,6 +97,16 @@ impl Report {
         self.deleted += step.deleted;
         self.kept += step.kept;
     }
+}
+
+/// How a single-node step walks the set (see clean_step.lua).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WalkMode {
+    /// SSCAN from a stored cursor tied to the Redis run_id; the set is not modified.
+    Scan,
+    /// SPOP: no cursor and no write that takes memory (for OOM, and for a Redis whose
+    /// INFO gives no run_id).
+    Pop,
 }
 
 /// Cleans dead servers of one registry.
@@ -119,22 +137,58 @@ impl Cleaner {
         self
     }
 
-    /// Cleans `server` until its reverse set is gone. Retries through Redis outages.
-    /// Returns [`Error::Cancelled`] if `stop` fires first (the state stays consistent and
-    /// resumable); `on_step` sees every step as it completes.
+    /// Cleans `server` until nothing of it is left to walk (see [`Cleaner::clean_event`]).
     pub async fn clean(
         &self,
         conn: &RedisConn,
         server: &ServerId,
         stop: &CancellationToken,
+        on_step: impl FnMut(&Step),
+    ) -> Result<Report> {
+        self.clean_event(conn, server, None, stop, on_step).await
+    }
+
+    /// Cleans `server` until its reverse set, and every member added to it meanwhile, is
+    /// walked; retries through Redis outages. With `entry`, the event's stream entry is
+    /// acknowledged by the cleanup itself: on one node inside the very step that finds
+    /// nothing left (so no member added before the acknowledgement can be missed); on a
+    /// cluster, where the stream is in another slot, right after that step, and the set is
+    /// checked once more after the acknowledgement (a member that raced it is walked then).
+    /// Returns [`Error::Cancelled`] if `stop` fires first (the state stays consistent and
+    /// resumable); `on_step` sees every step as it completes.
+    pub async fn clean_event(
+        &self,
+        conn: &RedisConn,
+        server: &ServerId,
+        entry: Option<&str>,
+        stop: &CancellationToken,
         mut on_step: impl FnMut(&Step),
     ) -> Result<Report> {
         if conn.is_cluster() {
-            return self.clean_on_cluster(conn, server, stop, on_step).await;
+            return self
+                .clean_on_cluster(conn, server, entry, stop, on_step)
+                .await;
         }
+        // Once Redis says OOM, the rest of this cleanup walks in the mode that takes no
+        // memory: the cleanup is what frees it.
+        let oom = std::sync::atomic::AtomicBool::new(false);
         let step = || {
-            retrying_counted("cleanup step", stop, self.errors.as_ref(), || {
-                self.step(conn, server)
+            retrying_counted("cleanup step", stop, self.errors.as_ref(), || async {
+                let mode = if oom.load(std::sync::atomic::Ordering::Relaxed) {
+                    WalkMode::Pop
+                } else {
+                    WalkMode::Scan
+                };
+                let result = self.step_with(conn, server, mode, entry).await;
+                match result {
+                    Err(Error::Redis(e)) if e.code() == Some("OOM") && mode == WalkMode::Scan => {
+                        if !oom.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                            tracing::warn!(server_id = %server, "Redis is out of memory: walking on with SPOP, which needs none");
+                        }
+                        self.step_with(conn, server, WalkMode::Pop, entry).await
+                    }
+                    other => other,
+                }
             })
         };
         let mut report = Report::default();
@@ -154,6 +208,7 @@ impl Cleaner {
             }
         }
         if done {
+            report.acknowledged = entry.is_some();
             Ok(report)
         } else {
             Err(Error::Cancelled)
@@ -161,25 +216,29 @@ impl Cleaner {
     }
 
     /// How far the cleanup of `server` has got: `Some(members scanned)` while under
-    /// way (0 before the first step), `None` once the server is clean (no reverse set).
+    /// way (0 before the first step), `None` once the server is clean (nothing of its
+    /// reverse set left to walk).
     pub async fn progress(&self, conn: &RedisConn, server: &ServerId) -> Result<Option<u64>> {
-        let (exists, scanned): (bool, Option<u64>) = redis::pipe()
-            .exists(self.keys.server_users(server))
+        let left = self.keys.server_members_left(server);
+        let (exists, scanned): (u64, Option<u64>) = redis::pipe()
+            .exists(&left)
             .hget(self.keys.server_cleanup(server), "scanned")
             .query_async(&mut conn.clone())
             .await?;
-        Ok(exists.then_some(scanned.unwrap_or(0)))
+        Ok((exists > 0).then_some(scanned.unwrap_or(0)))
     }
 
     /// Notes why cleaning `server` failed, in its progress record, so that the worker
-    /// that finally dead-letters the event can say why (best effort).
+    /// that finally dead-letters the event can say why (best effort). Only while the
+    /// cleanup is unfinished: a note written after another worker finished would
+    /// re-create the record, and nothing would ever remove it.
     pub async fn record_failure(&self, conn: &RedisConn, server: &ServerId, error: &str) {
-        let _: redis::RedisResult<()> = redis::cmd("HSET")
-            .arg(self.keys.server_cleanup(server))
-            .arg("last_error")
-            .arg(error)
-            .query_async(&mut conn.clone())
-            .await;
+        let mut call = RECORD_FAILURE.prepare_invoke();
+        for key in self.keys.server_members_left(server) {
+            call.key(key);
+        }
+        call.key(self.keys.server_cleanup(server)).arg(error);
+        let _: redis::RedisResult<i64> = call.invoke_async(&mut conn.clone()).await;
     }
 
     /// The last failure noted for `server`, if any.
@@ -200,13 +259,15 @@ impl Cleaner {
     /// The cursor moves only after the chunk's deletes, so a crash repeats a chunk and
     /// never skips one. Replication is asynchronous, so a failover can lose deletes the
     /// old master acknowledged, and redis-rs rides out a failover without an error ever
-    /// reaching this code: a cleanup during which the cluster's `current_epoch` changed
-    /// (every failover bumps it) or Redis errors were seen walks the set once more (up
-    /// to 3 walks) before it finishes.
+    /// reaching this code: the cluster's `current_epoch` at the start of each walk is
+    /// stored with the cursor, and a walk at whose end the epoch differs (every failover
+    /// bumps it), or during which this worker saw errors, is made again (up to 3 times),
+    /// by whichever worker holds the cleanup by then.
     async fn clean_on_cluster(
         &self,
         conn: &RedisConn,
         server: &ServerId,
+        entry: Option<&str>,
         stop: &CancellationToken,
         mut on_step: impl FnMut(&Step),
     ) -> Result<Report> {
@@ -219,7 +280,6 @@ impl Cleaner {
             }
         };
         let mut report = Report::default();
-        let mut walks = 1;
         let mut epoch =
             retrying_counted("cluster epoch", stop, Some(&errors), || cluster_epoch(conn)).await?;
         loop {
@@ -228,23 +288,21 @@ impl Cleaner {
                 return Err(Error::Cancelled);
             }
             let (at, next, members) = retrying_counted("cleanup scan", stop, Some(&errors), || {
-                self.cluster_scan(conn, server)
+                self.cluster_scan(conn, server, epoch)
             })
             .await?;
             let (deleted, kept) = retrying_counted("cleanup delete", stop, Some(&errors), || {
                 self.check_delete(conn, server, &members)
             })
             .await?;
-            let mut walk_again = false;
-            if next == "0" && walks < 3 {
-                let now =
+            if next == "0" {
+                epoch =
                     retrying_counted("cluster epoch", stop, Some(&errors), || cluster_epoch(conn))
                         .await?;
-                walk_again = now != epoch || errors.get() > 0;
-                epoch = now;
             }
+            let saw_errors = errors.get() > 0;
             let advanced = retrying_counted("cleanup advance", stop, Some(&errors), || {
-                self.cluster_advance(conn, server, &at, &next, members.len(), walk_again)
+                self.cluster_advance(conn, server, &at, &next, members.len(), epoch, saw_errors)
             })
             .await?;
             let step = Step {
@@ -257,41 +315,77 @@ impl Cleaner {
             on_step(&step);
             match advanced.as_str() {
                 "done" => {
-                    retrying_counted("cleanup finish", stop, Some(&errors), || async {
-                        let _: i64 = redis::cmd("ZREM")
-                            .arg(self.keys.servers())
-                            .arg(server.as_str())
-                            .query_async(&mut conn.clone())
-                            .await?;
-                        Ok(())
-                    })
-                    .await?;
-                    count_globally(errors.get());
-                    return Ok(report);
-                }
-                "again" => {
-                    walks += 1;
                     count_globally(errors.get());
                     errors.reset();
-                    tracing::info!(server_id = %server, walks, "the cluster failed over (or errors were seen) during the cleanup: walking the set once more");
+                    if !report.acknowledged {
+                        self.finish_on_cluster(conn, server, entry, stop).await?;
+                        report.acknowledged = entry.is_some();
+                    }
+                    // A member added between the last step and the acknowledgement (a
+                    // zombie, a registration in two steps) is walked now.
+                    let left = retrying_counted("cleanup check", stop, None, || {
+                        self.progress(conn, server)
+                    })
+                    .await?;
+                    if left.is_none() {
+                        return Ok(report);
+                    }
+                    tracing::info!(server_id = %server, "members were added to the reverse set as the cleanup finished: walking them");
+                }
+                "again" => {
+                    count_globally(errors.get());
+                    errors.reset();
+                    tracing::info!(server_id = %server, "the cluster failed over (or errors were seen) during the walk: walking the set once more");
                 }
                 _ => {}
             }
         }
     }
 
+    /// Once a cluster cleanup is done: S leaves `servers`, then the entry is acknowledged
+    /// (two slots, so two commands; a crash between them repeats a harmless cleanup).
+    async fn finish_on_cluster(
+        &self,
+        conn: &RedisConn,
+        server: &ServerId,
+        entry: Option<&str>,
+        stop: &CancellationToken,
+    ) -> Result<()> {
+        let errors = self.errors.as_ref();
+        retrying_counted("cleanup finish", stop, errors, || async {
+            let _: i64 = redis::cmd("ZREM")
+                .arg(self.keys.servers())
+                .arg(server.as_str())
+                .query_async(&mut conn.clone())
+                .await?;
+            Ok(())
+        })
+        .await?;
+        if let Some(id) = entry {
+            retrying_counted("acknowledging", stop, errors, || {
+                crate::stream::ack(conn, &self.keys, id)
+            })
+            .await?;
+        }
+        Ok(())
+    }
+
     async fn cluster_scan(
         &self,
         conn: &RedisConn,
         server: &ServerId,
+        epoch: u64,
     ) -> Result<(String, String, Vec<Vec<u8>>)> {
         let mut call = CLUSTER_SCAN.prepare_invoke();
         call.key(self.keys.server_users(server))
+            .key(self.keys.server_walking(server))
             .key(self.keys.server_cleanup(server))
-            .arg(self.chunk_size);
+            .arg(self.chunk_size)
+            .arg(epoch);
         Ok(call.invoke_async(&mut conn.clone()).await?)
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn cluster_advance(
         &self,
         conn: &RedisConn,
@@ -299,15 +393,18 @@ impl Cleaner {
         at: &str,
         next: &str,
         scanned: usize,
-        walk_again: bool,
+        epoch: u64,
+        saw_errors: bool,
     ) -> Result<String> {
         let mut call = CLUSTER_ADVANCE.prepare_invoke();
         call.key(self.keys.server_users(server))
+            .key(self.keys.server_walking(server))
             .key(self.keys.server_cleanup(server))
             .arg(at)
             .arg(next)
             .arg(scanned)
-            .arg(if walk_again { "1" } else { "0" });
+            .arg(epoch)
+            .arg(if saw_errors { "1" } else { "0" });
         Ok(call.invoke_async(&mut conn.clone()).await?)
     }
 
@@ -377,22 +474,43 @@ impl Cleaner {
         Ok(totals)
     }
 
-    /// One call of the step script.
+    /// One call of the step script, walking with SSCAN (see [`Cleaner::step_with`]).
     pub async fn step(&self, conn: &RedisConn, server: &ServerId) -> Result<Step> {
+        self.step_with(conn, server, WalkMode::Scan, None).await
+    }
+
+    /// One call of the step script (clean_step.lua) in `mode`; with `entry`, the step that
+    /// finds nothing left acknowledges that entry.
+    pub async fn step_with(
+        &self,
+        conn: &RedisConn,
+        server: &ServerId,
+        mode: WalkMode,
+        entry: Option<&str>,
+    ) -> Result<Step> {
         let layout = match self.layout {
             Layout::Hash => "hash",
             Layout::Keys => "keys",
         };
         let mut call = CLEAN_STEP.prepare_invoke();
         call.key(self.keys.server_users(server))
+            .key(self.keys.server_walking(server))
+            .key(self.keys.server_moved(server))
             .key(self.keys.server_cleanup(server))
             .key(self.keys.servers())
             .key(self.keys.registry())
+            .key(self.keys.events())
             .arg(server.as_str())
             .arg(self.chunk_size)
             .arg(layout)
-            .arg(self.keys.user_key_prefix());
-        let (done, scanned, deleted, kept): (i64, u64, u64, u64) =
+            .arg(self.keys.user_key_prefix())
+            .arg(match mode {
+                WalkMode::Scan => "scan",
+                WalkMode::Pop => "pop",
+            })
+            .arg(crate::keys::GROUP)
+            .arg(entry.unwrap_or(""));
+        let (done, scanned, deleted, kept, _mode): (i64, u64, u64, u64, String) =
             call.invoke_async(&mut conn.clone()).await?;
         Ok(Step {
             done: done == 1,

@@ -1,20 +1,40 @@
 -- Cluster cleanup, part 1 of a chunk (slot of {S}): the next members of the dead
--- server's reverse set, from the stored cursor. Writes no progress: the cursor moves only
--- after the chunk's entries are deleted (cluster_advance.lua), so a crash in between just
--- repeats the chunk. As in clean_step.lua, a cursor stored under another run_id (restart,
+-- server's reverse set, from the stored cursor. As in clean_step.lua, the set is renamed
+-- to `walking` when a walk starts, so that members added during the walk land in a new
+-- `users` set that is walked next; and a cursor stored under another run_id (restart,
 -- failover) is not trusted: the walk starts again from 0.
 --
--- KEYS[1] server:{S}:users  KEYS[2] server:{S}:cleanup   ARGV[1] SSCAN COUNT
--- Returns {cursor used, next cursor, members}
+-- The walk's bookkeeping lives in the progress hash, not in a worker's memory, so that it
+-- survives a takeover: `epoch` is the cluster's current_epoch when the walk started (a
+-- failover since then may have lost acknowledged deletes: cluster_advance.lua then walks
+-- the set again), `rewalks` how often this set has been walked again.
+--
+-- Moves no cursor: the cursor moves only after the chunk's entries are deleted
+-- (cluster_advance.lua), so a crash in between just repeats the chunk.
+--
+-- KEYS[1] server:{S}:users  KEYS[2] server:{S}:walking  KEYS[3] server:{S}:cleanup
+-- ARGV[1] SSCAN COUNT  ARGV[2] the cluster's current_epoch as the worker last read it
+-- Returns {cursor used, next cursor, members}; {'', '0', {}} when there is nothing to walk
 
-local run_id = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
-local progress = redis.call('HMGET', KEYS[2], 'cursor', 'run_id')
+local info = redis.pcall('INFO', 'server')
+local run_id = type(info) == 'string' and string.match(info, 'run_id:(%x+)')
+if not run_id then
+  return redis.error_reply('ERR INFO gives no run_id: the cleanup on a cluster needs it')
+end
+if redis.call('EXISTS', KEYS[2]) == 0 then
+  if redis.call('EXISTS', KEYS[1]) == 0 then return {'', '0', {}} end
+  redis.call('RENAME', KEYS[1], KEYS[2])
+  redis.call('HDEL', KEYS[3], 'cursor', 'rewalks')
+  redis.call('HSET', KEYS[3], 'run_id', run_id, 'epoch', ARGV[2], 'scanned', 0)
+end
+local progress = redis.call('HMGET', KEYS[3], 'cursor', 'run_id', 'epoch')
 local cursor = progress[1] or '0'
 if progress[2] ~= run_id then
+  -- A walk restarted from 0 after a failover of this slot: a walk started before the
+  -- epoch we know of is compared against it at the end (walked again if they differ).
   cursor = '0'
-  if redis.call('EXISTS', KEYS[1]) == 1 then
-    redis.call('HSET', KEYS[2], 'cursor', '0', 'run_id', run_id, 'scanned', 0)
-  end
+  redis.call('HSET', KEYS[3], 'cursor', '0', 'run_id', run_id, 'scanned', 0)
+  if not progress[3] then redis.call('HSET', KEYS[3], 'epoch', 'unknown') end
 end
-local scan = redis.call('SSCAN', KEYS[1], cursor, 'COUNT', ARGV[1])
+local scan = redis.call('SSCAN', KEYS[2], cursor, 'COUNT', ARGV[1])
 return {cursor, scan[1], scan[2]}

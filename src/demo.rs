@@ -371,7 +371,7 @@ async fn verify(
     // A clean server has no reverse set and no `servers` entry left either.
     let (mut sets, mut scores) = (redis::pipe(), redis::pipe());
     for server in dead {
-        sets.exists(registry.keys().server_users(server));
+        sets.exists(&registry.keys().server_members_left(server));
         scores.zscore(registry.keys().servers(), server.as_str());
     }
     let sets: Vec<u64> = sets.query_async(&mut conn.clone()).await?;

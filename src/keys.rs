@@ -13,12 +13,18 @@
 //! | `registry:events`          | Stream | monitoring, the reconciler              |
 //! | `registry:events:dead`     | Stream | the workers (dead letters)              |
 //! | `server:{<server>}:cleanup`| Hash   | the workers: the cleanup's scan cursor  |
+//! | `server:{<server>}:walking`| Set    | the workers: the reverse set being walked|
+//! | `server:{<server>}:moved`  | ZSet   | the reconciler: members set aside       |
 //! | `server:{<server>}:reported`| String | the reconciler: "event published", TTL |
 //! | `janitor:sweep`            | Hash   | the reconciler: the drift sweep's cursor|
 //!
-//! The last three keys are the janitor's own. `cleanup` records how far the walk of a
+//! The last five keys are the janitor's own. `cleanup` records how far the walk of a
 //! dead server's reverse set has gone, so that a cleanup taken over after a crash resumes
-//! there; `reported` keeps several reconcilers from publishing the same death more than
+//! there; `walking` is the reverse set itself, renamed away at the start of a walk so that
+//! members added meanwhile land in a new `users` set that is walked next (SSCAN does not
+//! promise to return members added during a scan); `moved` holds members that the
+//! reverse-index sweep took out of a live server's set, scored by when, until their
+//! registration can no longer be in flight (the cleanup walks them too); `reported` keeps several reconcilers from publishing the same death more than
 //! once per window; `janitor:sweep` lets a restarted reconciler resume its sweep. The
 //! per-server ones share the server's hash tag (same cluster slot as the reverse set).
 
@@ -75,6 +81,26 @@ impl Keys {
     /// The janitor's progress record for cleaning a server (see the module docs).
     pub fn server_cleanup(&self, server: &ServerId) -> String {
         self.server_key(server, "cleanup")
+    }
+
+    /// The dead server's reverse set while a cleanup walks it (renamed from `users`).
+    pub fn server_walking(&self, server: &ServerId) -> String {
+        self.server_key(server, "walking")
+    }
+
+    /// Every key that may hold members of `server` still to be cleaned: the reverse set,
+    /// the set being walked, the members set aside. The server is clean when none exists.
+    pub fn server_members_left(&self, server: &ServerId) -> [String; 3] {
+        [
+            self.server_users(server),
+            self.server_walking(server),
+            self.server_moved(server),
+        ]
+    }
+
+    /// Members the reverse-index sweep set aside (ZSet, score = unix ms when).
+    pub fn server_moved(&self, server: &ServerId) -> String {
+        self.server_key(server, "moved")
     }
 
     /// Set (with a TTL) when a reconciler has published this server's death.

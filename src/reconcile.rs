@@ -361,11 +361,13 @@ impl Reconciler {
             let mut call = SWEEP_REVERSE.prepare_invoke();
             call.key(self.keys.server_users(server))
                 .key(self.keys.registry())
+                .key(self.keys.server_moved(server))
                 .arg(server.as_str())
                 .arg(&cursor)
                 .arg(self.settings.sweep_count)
                 .arg(self.layout())
-                .arg(self.keys.user_key_prefix());
+                .arg(self.keys.user_key_prefix())
+                .arg(self.settings.heartbeat_grace_ms);
             let (next, n, r): (String, u64, u64) =
                 call.invoke_async(&mut self.conn.clone()).await?;
             scanned += n;

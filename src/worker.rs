@@ -358,7 +358,7 @@ impl Worker {
                 async {
                     let started = Instant::now();
                     let metrics = &self.metrics;
-                    let cleaning = self.cleaner.clean(&self.conn, &server, &abandon, |step| {
+                    let cleaning = self.cleaner.clean_event(&self.conn, &server, Some(&entry.id), &abandon, |step| {
                         metrics.entries_deleted.inc_by(step.deleted);
                         metrics.entries_kept.inc_by(step.kept);
                     });
@@ -368,7 +368,9 @@ impl Worker {
                     };
                     match cleaned {
                         Ok(report) => {
-                            if self.ack(&entry.id, &abandon).await {
+                            // The cleanup acknowledges the entry itself, in (one node) or
+                            // right after (cluster) the step that finds nothing left.
+                            if report.acknowledged || self.ack(&entry.id, &abandon).await {
                                 let elapsed = started.elapsed();
                                 metrics.events.with_label_values(&[outcome::CLEANED]).inc();
                                 metrics.cleanup_seconds.observe(elapsed.as_secs_f64());

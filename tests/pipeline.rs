@@ -106,7 +106,7 @@ async fn reconnects_race_the_cleanup(layout: Layout) {
         f.reconnect(&user(&dead, n), &live).await;
         moved.push(n);
         let left: u64 = f
-            .query(redis::cmd("SCARD").arg(f.keys.server_users(&dead)))
+            .query(redis::cmd("EXISTS").arg(&f.keys.server_members_left(&dead)))
             .await;
         if left > 0 {
             moved_while_cleaning += 1;

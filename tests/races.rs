@@ -1,0 +1,278 @@
+//! State that changes while the janitor walks it, on a single node: registrations that
+//! land on a dead server during its cleanup, a registration in flight while the
+//! reverse-index sweep runs, a Redis out of memory, a Redis whose INFO is refused, and a
+//! failure note that must not outlive its cleanup. Real redis-server processes; each test
+//! asserts the registry's end state and what was acknowledged.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use registry_janitor::{
+    cleanup::Cleaner, config::Layout, event::ServerId, keys::GROUP, metrics::Metrics,
+    reconcile::Reconciler,
+};
+use tokio_util::sync::CancellationToken;
+
+/// True while the event's entry is still pending (not acknowledged).
+async fn pending(f: &Fixture, id: &str) -> bool {
+    let rows: Vec<redis::Value> = f
+        .query(
+            redis::cmd("XPENDING")
+                .arg(f.keys.events())
+                .arg(GROUP)
+                .arg(id)
+                .arg(id)
+                .arg(1),
+        )
+        .await;
+    !rows.is_empty()
+}
+
+/// Users registered on `dead` while a worker cleans it: every one whose registration
+/// finished while the event was still unacknowledged must be gone once it is acknowledged.
+async fn registrations_during_the_walk(layout: Layout) {
+    let f = Fixture::with(layout, |s| {
+        s.chunk_size = 5;
+        s.chunks_in_flight = 1;
+    });
+    let (dead, live) = (server("gw-dead#1"), server("gw-live#1"));
+    const USERS: usize = 20_000;
+    f.seed(&dead, USERS).await;
+    f.seed(&live, 100).await;
+    let worker = spawn_worker(&f.settings);
+    let id = f.kill(&dead).await;
+    let cleaner = Cleaner::new(f.keys.clone(), layout, 1, 1);
+    wait_until(
+        &f.redis,
+        "the walk under way",
+        Duration::from_secs(30),
+        || async {
+            cleaner
+                .progress(&f.conn, &dead)
+                .await
+                .unwrap()
+                .is_some_and(|n| n > 0)
+        },
+    )
+    .await;
+    // A zombie (or a false-positive death) keeps registering users on `dead`.
+    let mut before_ack = Vec::new();
+    for n in 0.. {
+        let u = format!("late-{n}").into_bytes();
+        f.registry.register(&f.conn, &u, &dead).await.unwrap();
+        if !pending(&f, &id).await {
+            break; // this one may have raced the acknowledgement
+        }
+        before_ack.push(u);
+        assert!(n < 1_000_000, "the cleanup never finished");
+    }
+    f.wait_idle().await;
+    assert!(
+        before_ack.len() >= 50,
+        "only {} registrations raced the walk: the test proves little",
+        before_ack.len()
+    );
+    let owners = f.registry.owners(&f.conn, &before_ack).await.unwrap();
+    let stale = owners
+        .iter()
+        .filter(|o| o.as_deref() == Some(dead.as_str()))
+        .count();
+    assert_eq!(
+        stale,
+        0,
+        "{stale} of {} users registered during the walk still point at the dead server",
+        before_ack.len()
+    );
+    assert_eq!(f.still_pointing(&dead, USERS).await, 0);
+    assert_eq!(f.still_pointing(&live, 100).await, 100, "live entries lost");
+    worker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registrations_during_the_walk_are_cleaned_before_the_ack_hash_layout() {
+    registrations_during_the_walk(Layout::Hash).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registrations_during_the_walk_are_cleaned_before_the_ack_keys_layout() {
+    registrations_during_the_walk(Layout::Keys).await;
+}
+
+/// Writes `user`'s forward entry naming `owner`, as the second half of a registration.
+async fn write_forward(f: &Fixture, user: &[u8], owner: &ServerId) {
+    let cmd = match f.settings.layout {
+        Layout::Hash => redis::cmd("HSET")
+            .arg(f.keys.registry())
+            .arg(user)
+            .arg(owner.as_str())
+            .to_owned(),
+        Layout::Keys => redis::cmd("SET")
+            .arg(f.keys.user(user))
+            .arg(owner.as_str())
+            .to_owned(),
+    };
+    let _: () = f.query(&cmd).await;
+}
+
+/// A connection server that writes SADD first and the forward entry second: the sweep
+/// runs between the two writes (the member is already in the set from an old session, so
+/// the SADD changes nothing). The user must still be found when the server dies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registration_in_flight_survives_the_reverse_sweep() {
+    let f = Fixture::new(Layout::Hash);
+    let (s, other) = (server("gw-s#1"), server("gw-other#1"));
+    f.seed(&s, 10).await;
+    f.seed(&other, 10).await;
+    let u = user(&s, 0);
+    // `u` moved to `other` earlier; `s` missed the SREM, so `u` is still in its set.
+    f.reconnect(&u, &other).await;
+    // `u` comes back to `s`: SADD (no change), then the sweep, then the forward entry.
+    let _: i64 = f
+        .query(redis::cmd("SADD").arg(f.keys.server_users(&s)).arg(&u))
+        .await;
+    let r = Reconciler::new(&f.settings, Metrics::new()).await.unwrap();
+    let report = r.run_once().await.unwrap();
+    assert_eq!(report.sweep.members_removed, 1, "{report}");
+    write_forward(&f, &u, &s).await;
+    // `s` dies and is cleaned.
+    let worker = spawn_worker(&f.settings);
+    f.kill(&s).await;
+    f.wait_idle().await;
+    assert_eq!(
+        f.owner(&u).await,
+        None,
+        "the user's entry survived the cleanup"
+    );
+    assert_eq!(f.still_pointing(&s, 10).await, 0);
+    assert_eq!(f.still_pointing(&other, 10).await, 10);
+    worker.stop().await;
+}
+
+/// Members set aside by the sweep are settled after the grace period: back in the set if
+/// their entry names the server by then, dropped if it names another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_set_aside_are_settled_after_the_grace_period() {
+    let f = Fixture::with(Layout::Keys, |s| s.heartbeat_grace_ms = 300);
+    let (s, other) = (server("gw-s#1"), server("gw-other#1"));
+    f.seed(&s, 10).await;
+    f.seed(&other, 10).await;
+    let (back, gone) = (user(&s, 0), user(&s, 1));
+    f.reconnect(&back, &other).await;
+    f.reconnect(&gone, &other).await;
+    let r = Reconciler::new(&f.settings, Metrics::new()).await.unwrap();
+    assert_eq!(r.run_once().await.unwrap().sweep.members_removed, 2);
+    // `back` finishes a registration on `s` (SADD first, long ago; the entry now).
+    write_forward(&f, &back, &s).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    r.run_once().await.unwrap();
+    let members: Vec<Vec<u8>> = f
+        .query(redis::cmd("SMEMBERS").arg(f.keys.server_users(&s)))
+        .await;
+    assert!(
+        members.contains(&back),
+        "a finished registration lost its member"
+    );
+    assert!(!members.contains(&gone));
+    let aside: u64 = f
+        .query(redis::cmd("ZCARD").arg(f.keys.server_moved(&s)))
+        .await;
+    assert_eq!(aside, 0, "settled members stay set aside");
+}
+
+/// With Redis out of memory (maxmemory reached, noeviction), the cleanup still finishes:
+/// it is what frees memory, and it walks with commands that need none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cleanup_finishes_while_redis_is_out_of_memory() {
+    for layout in [Layout::Hash, Layout::Keys] {
+        let f = Fixture::new(layout);
+        let (dead, live) = (server("gw-dead#1"), server("gw-live#1"));
+        f.seed(&dead, 3_000).await;
+        f.seed(&live, 100).await;
+        let _: () = f
+            .query(redis::cmd("CONFIG").arg("SET").arg("maxmemory").arg("1"))
+            .await;
+        let refused: redis::RedisResult<()> = redis::cmd("SET")
+            .arg("probe")
+            .arg("1")
+            .query_async(&mut f.conn.clone())
+            .await;
+        assert_eq!(refused.unwrap_err().code(), Some("OOM"), "Redis is not OOM");
+        let cleaner = Cleaner::new(f.keys.clone(), layout, 100, 2);
+        let report = tokio::time::timeout(
+            Duration::from_secs(60),
+            cleaner.clean(&f.conn, &dead, &CancellationToken::new(), |_| {}),
+        )
+        .await
+        .expect("the cleanup finishes under OOM")
+        .unwrap();
+        assert_eq!(report.deleted, 3_000);
+        assert_eq!(f.still_pointing(&dead, 3_000).await, 0);
+        assert_eq!(f.still_pointing(&live, 100).await, 100);
+        assert_eq!(cleaner.progress(&f.conn, &dead).await.unwrap(), None);
+    }
+}
+
+/// A Redis whose INFO is refused (renamed away, as some proxies and managed services do):
+/// no cursor can be tied to a run_id there, so the walk pops the set instead; the
+/// cleanup is complete, never a silent skip of members.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cleanup_is_complete_where_info_is_refused() {
+    let f = Fixture::on(
+        redis_with(&["--rename-command", "INFO", ""]),
+        Layout::Hash,
+        |s| s.chunk_size = 50,
+    );
+    let refused: redis::RedisResult<String> = redis::cmd("INFO")
+        .arg("server")
+        .query_async(&mut f.conn.clone())
+        .await;
+    assert!(refused.is_err(), "INFO still answers");
+    let (dead, live) = (server("gw-dead#1"), server("gw-live#1"));
+    f.seed(&dead, 2_000).await;
+    f.seed(&live, 100).await;
+    for n in 0..100 {
+        f.reconnect(&user(&dead, n), &live).await;
+    }
+    let worker = spawn_worker(&f.settings);
+    f.kill(&dead).await;
+    f.wait_idle().await;
+    assert_eq!(f.still_pointing(&dead, 2_000).await, 0);
+    assert_eq!(f.still_pointing(&live, 100).await, 100);
+    for n in 0..100 {
+        assert_eq!(f.owner(&user(&dead, n)).await.as_deref(), Some("gw-live#1"));
+    }
+    worker.stop().await;
+}
+
+/// A failure noted after another worker finished the server must not re-create its
+/// progress record (nothing would ever remove it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_failure_note_leaves_no_key_behind() {
+    let f = Fixture::new(Layout::Hash);
+    let dead = server("gw-dead#1");
+    f.seed(&dead, 50).await;
+    let cleaner = Cleaner::new(f.keys.clone(), Layout::Hash, 1000, 1);
+    cleaner
+        .record_failure(&f.conn, &dead, "while under way")
+        .await;
+    assert_eq!(
+        cleaner.last_failure(&f.conn, &dead).await.as_deref(),
+        Some("while under way")
+    );
+    cleaner
+        .clean(&f.conn, &dead, &CancellationToken::new(), |_| {})
+        .await
+        .unwrap();
+    cleaner.record_failure(&f.conn, &dead, "too late").await;
+    let left: u64 = f
+        .query(
+            redis::cmd("EXISTS")
+                .arg(f.keys.server_cleanup(&dead))
+                .arg(f.keys.server_walking(&dead))
+                .arg(f.keys.server_users(&dead)),
+        )
+        .await;
+    assert_eq!(left, 0, "a janitor key outlived the cleanup");
+}
