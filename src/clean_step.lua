@@ -29,6 +29,11 @@
 -- The two may alternate or run side by side (workers on duplicate events): SSCAN still
 -- returns every member that stays in the set, and popped members were handled.
 --
+-- The cursor fields are `walk_cursor` and `walk_run_id`, not the `cursor` and `run_id`
+-- of versions before the rename: an older worker never applies a cursor of `walking` to
+-- a `users` set. (An older worker still must not run beside this one: it would take a
+-- renamed set for a finished cleanup. See the README, Upgrading.)
+--
 -- KEYS[1] server:{S}:users   KEYS[2] server:{S}:walking   KEYS[3] server:{S}:moved
 -- KEYS[4] server:{S}:cleanup KEYS[5] servers   KEYS[6] registry (layout hash)
 -- KEYS[7] events stream
@@ -92,7 +97,7 @@ if redis.call('EXISTS', walking_key) == 0 then
   end
   redis.call('RENAME', users_key, walking_key)
   -- HDEL takes no memory: a new walk starts from cursor 0 even in 'pop' mode.
-  redis.call('HDEL', progress_key, 'cursor', 'run_id')
+  redis.call('HDEL', progress_key, 'walk_cursor', 'walk_run_id')
 end
 
 local members, walked
@@ -100,14 +105,14 @@ if mode == 'pop' then
   members = redis.call('SPOP', walking_key, count)
   walked = redis.call('EXISTS', walking_key) == 0
 else
-  local progress = redis.call('HMGET', progress_key, 'cursor', 'run_id')
+  local progress = redis.call('HMGET', progress_key, 'walk_cursor', 'walk_run_id')
   local cursor = '0'
   if progress[2] == run_id then cursor = progress[1] or '0' end
   local scan = redis.call('SSCAN', walking_key, cursor, 'COUNT', count)
   members = scan[2]
   walked = scan[1] == '0'
   if not walked then
-    redis.call('HSET', progress_key, 'cursor', scan[1], 'run_id', run_id)
+    redis.call('HSET', progress_key, 'walk_cursor', scan[1], 'walk_run_id', run_id)
   end
   redis.call('HINCRBY', progress_key, 'scanned', #members)
 end
@@ -115,7 +120,7 @@ local deleted, kept = check_delete(members)
 
 if walked then
   redis.call('UNLINK', walking_key)
-  redis.call('HDEL', progress_key, 'cursor', 'run_id')
+  redis.call('HDEL', progress_key, 'walk_cursor', 'walk_run_id')
   return {finish_if_clean(), #members, deleted, kept, mode}
 end
 return {0, #members, deleted, kept, mode}

@@ -62,8 +62,62 @@ async fn cluster_epoch(conn: &RedisConn) -> Result<u64> {
         .ok_or_else(|| Error::Protocol("CLUSTER INFO without cluster_current_epoch".into()))
 }
 
+/// Checks at start-up that cleanups can walk here. A cursor is trusted only with the
+/// run_id of the Redis that issued it (INFO server): on a single node a Redis without one
+/// (INFO refused or stripped, as by some proxies) is walked with SPOP instead, which is
+/// logged; on a cluster, where the walk and the deletes cannot be one script, there is no
+/// such fallback and the worker stops with this error.
+pub async fn check_walkable(conn: &RedisConn) -> Result<()> {
+    // On a cluster redis-rs sends INFO to every node and answers with a map of replies.
+    let info: redis::RedisResult<redis::Value> = redis::cmd("INFO")
+        .arg("server")
+        .query_async(&mut conn.clone())
+        .await;
+    fn texts(v: &redis::Value, out: &mut Vec<String>) {
+        match v {
+            redis::Value::BulkString(b) => out.push(String::from_utf8_lossy(b).into_owned()),
+            redis::Value::VerbatimString { text, .. } => out.push(text.clone()),
+            redis::Value::Map(pairs) => pairs.iter().for_each(|(_, v)| texts(v, out)),
+            redis::Value::Array(items) => items.iter().for_each(|v| texts(v, out)),
+            _ => {}
+        }
+    }
+    let has_run_id = match info {
+        Ok(value) => {
+            let mut replies = Vec::new();
+            texts(&value, &mut replies);
+            !replies.is_empty() && replies.iter().all(|t| t.contains("run_id:"))
+        }
+        Err(e) if crate::error::redis_error_is_retryable(&e) => return Err(e.into()),
+        Err(_) => false,
+    };
+    match (has_run_id, conn.is_cluster()) {
+        (true, _) => Ok(()),
+        (false, false) => {
+            tracing::warn!("INFO server is refused or gives no run_id: cleanups walk reverse sets with SPOP (no cursor to trust), which costs Redis a little more");
+            Ok(())
+        }
+        (false, true) => Err(Error::Setting {
+            name: "redis_cluster".into(),
+            reason: "the cluster's nodes refuse INFO server or give no run_id; the cleanup on a \
+                     cluster needs it to trust its stored cursor (allow INFO for the janitor's user)"
+                .into(),
+        }),
+    }
+}
+
 /// Check-and-delete scripts (one per slot) of one chunk in flight at once on a cluster.
 const CLUSTER_SLOTS_IN_FLIGHT: usize = 64;
+
+/// One chunk of a cluster walk, as cluster_scan.lua returned it.
+struct Chunk<'a> {
+    /// The walk's number: an advance from an earlier walk is refused.
+    walk: &'a str,
+    /// The cursor the chunk was scanned at, and the next one.
+    at: &'a str,
+    next: &'a str,
+    scanned: usize,
+}
 
 /// What one step did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -194,6 +248,9 @@ impl Cleaner {
         let mut report = Report::default();
         let mut in_flight: FuturesUnordered<_> =
             (0..self.chunks_in_flight).map(|_| step()).collect();
+        // Steps queued behind the one that found nothing left may have started a new walk
+        // (members registered after it): the cleanup ends only when the last step to
+        // complete found nothing left, so no such walk is left half done.
         let mut done = false;
         while let Some(result) = in_flight.next().await {
             let outcome = match result {
@@ -202,7 +259,7 @@ impl Cleaner {
             };
             report.add(&outcome);
             on_step(&outcome);
-            done |= outcome.done;
+            done = outcome.done;
             if !done && !stop.is_cancelled() {
                 in_flight.push(step());
             }
@@ -219,7 +276,12 @@ impl Cleaner {
     /// way (0 before the first step), `None` once the server is clean (nothing of its
     /// reverse set left to walk).
     pub async fn progress(&self, conn: &RedisConn, server: &ServerId) -> Result<Option<u64>> {
-        let left = self.keys.server_members_left(server);
+        let mut left = self.keys.server_members_left(server).to_vec();
+        if conn.is_cluster() {
+            // The reverse-index sweep, which sets members aside, is single-node only, and
+            // the cluster walk does not read `moved`.
+            left.pop();
+        }
         let (exists, scanned): (u64, Option<u64>) = redis::pipe()
             .exists(&left)
             .hget(self.keys.server_cleanup(server), "scanned")
@@ -287,10 +349,11 @@ impl Cleaner {
                 count_globally(errors.get());
                 return Err(Error::Cancelled);
             }
-            let (at, next, members) = retrying_counted("cleanup scan", stop, Some(&errors), || {
-                self.cluster_scan(conn, server, epoch)
-            })
-            .await?;
+            let (walk, at, next, members) =
+                retrying_counted("cleanup scan", stop, Some(&errors), || {
+                    self.cluster_scan(conn, server, epoch)
+                })
+                .await?;
             let (deleted, kept) = retrying_counted("cleanup delete", stop, Some(&errors), || {
                 self.check_delete(conn, server, &members)
             })
@@ -301,8 +364,14 @@ impl Cleaner {
                         .await?;
             }
             let saw_errors = errors.get() > 0;
+            let chunk = Chunk {
+                walk: &walk,
+                at: &at,
+                next: &next,
+                scanned: members.len(),
+            };
             let advanced = retrying_counted("cleanup advance", stop, Some(&errors), || {
-                self.cluster_advance(conn, server, &at, &next, members.len(), epoch, saw_errors)
+                self.cluster_advance(conn, server, &chunk, epoch, saw_errors)
             })
             .await?;
             let step = Step {
@@ -317,17 +386,24 @@ impl Cleaner {
                 "done" => {
                     count_globally(errors.get());
                     errors.reset();
-                    if !report.acknowledged {
-                        self.finish_on_cluster(conn, server, entry, stop).await?;
-                        report.acknowledged = entry.is_some();
+                    // The stream is in another slot: the acknowledgement follows the step.
+                    if let (Some(id), false) = (entry, report.acknowledged) {
+                        retrying_counted("acknowledging", stop, self.errors.as_ref(), || {
+                            crate::stream::ack(conn, &self.keys, id)
+                        })
+                        .await?;
+                        report.acknowledged = true;
                     }
                     // A member added between the last step and the acknowledgement (a
-                    // zombie, a registration in two steps) is walked now.
+                    // zombie, a registration in two steps) is walked now. S leaves
+                    // `servers` only after that: should this worker die before, the
+                    // reconciler still sees S and reports it again.
                     let left = retrying_counted("cleanup check", stop, None, || {
                         self.progress(conn, server)
                     })
                     .await?;
                     if left.is_none() {
+                        self.leave_servers(conn, server, stop).await?;
                         return Ok(report);
                     }
                     tracing::info!(server_id = %server, "members were added to the reverse set as the cleanup finished: walking them");
@@ -342,17 +418,14 @@ impl Cleaner {
         }
     }
 
-    /// Once a cluster cleanup is done: S leaves `servers`, then the entry is acknowledged
-    /// (two slots, so two commands; a crash between them repeats a harmless cleanup).
-    async fn finish_on_cluster(
+    /// Once a cluster cleanup is done and acknowledged: S leaves `servers`.
+    async fn leave_servers(
         &self,
         conn: &RedisConn,
         server: &ServerId,
-        entry: Option<&str>,
         stop: &CancellationToken,
     ) -> Result<()> {
-        let errors = self.errors.as_ref();
-        retrying_counted("cleanup finish", stop, errors, || async {
+        retrying_counted("cleanup finish", stop, self.errors.as_ref(), || async {
             let _: i64 = redis::cmd("ZREM")
                 .arg(self.keys.servers())
                 .arg(server.as_str())
@@ -360,14 +433,7 @@ impl Cleaner {
                 .await?;
             Ok(())
         })
-        .await?;
-        if let Some(id) = entry {
-            retrying_counted("acknowledging", stop, errors, || {
-                crate::stream::ack(conn, &self.keys, id)
-            })
-            .await?;
-        }
-        Ok(())
+        .await
     }
 
     async fn cluster_scan(
@@ -375,7 +441,7 @@ impl Cleaner {
         conn: &RedisConn,
         server: &ServerId,
         epoch: u64,
-    ) -> Result<(String, String, Vec<Vec<u8>>)> {
+    ) -> Result<(String, String, String, Vec<Vec<u8>>)> {
         let mut call = CLUSTER_SCAN.prepare_invoke();
         call.key(self.keys.server_users(server))
             .key(self.keys.server_walking(server))
@@ -385,14 +451,11 @@ impl Cleaner {
         Ok(call.invoke_async(&mut conn.clone()).await?)
     }
 
-    #[allow(clippy::too_many_arguments)]
     async fn cluster_advance(
         &self,
         conn: &RedisConn,
         server: &ServerId,
-        at: &str,
-        next: &str,
-        scanned: usize,
+        chunk: &Chunk<'_>,
         epoch: u64,
         saw_errors: bool,
     ) -> Result<String> {
@@ -400,9 +463,10 @@ impl Cleaner {
         call.key(self.keys.server_users(server))
             .key(self.keys.server_walking(server))
             .key(self.keys.server_cleanup(server))
-            .arg(at)
-            .arg(next)
-            .arg(scanned)
+            .arg(chunk.walk)
+            .arg(chunk.at)
+            .arg(chunk.next)
+            .arg(chunk.scanned)
             .arg(epoch)
             .arg(if saw_errors { "1" } else { "0" });
         Ok(call.invoke_async(&mut conn.clone()).await?)

@@ -1,6 +1,7 @@
 -- Cluster cleanup, part 3 of a chunk (slot of {S}): moves the stored cursor from the one
 -- the chunk was scanned at to the next, once the chunk's entries are deleted. If another
--- worker moved it first (a duplicate event), nothing changes.
+-- worker moved it first (a duplicate event), or the walk the chunk belongs to is over
+-- (its number, see cluster_scan.lua, is not the current one), nothing changes.
 --
 -- At the end of a walk of `walking`:
 -- - if the cluster's epoch differs from the one stored when the walk started (a failover
@@ -10,8 +11,9 @@
 -- - with neither left, the progress hash goes: 'done'.
 --
 -- KEYS[1] server:{S}:users  KEYS[2] server:{S}:walking  KEYS[3] server:{S}:cleanup
--- ARGV[1] cursor the chunk was scanned at  ARGV[2] next cursor  ARGV[3] members scanned
--- ARGV[4] the cluster's current_epoch now  ARGV[5] '1' if the worker saw errors
+-- ARGV[1] walk number  ARGV[2] cursor the chunk was scanned at  ARGV[3] next cursor
+-- ARGV[4] members scanned  ARGV[5] the cluster's current_epoch now
+-- ARGV[6] '1' if the worker saw errors
 -- Returns 'done', 'again', 'advanced' or 'raced'
 
 if redis.call('EXISTS', KEYS[2]) == 0 then
@@ -21,25 +23,30 @@ if redis.call('EXISTS', KEYS[2]) == 0 then
 end
 local info = redis.pcall('INFO', 'server')
 local run_id = type(info) == 'string' and string.match(info, 'run_id:(%x+)')
-local progress = redis.call('HMGET', KEYS[3], 'cursor', 'run_id', 'epoch', 'rewalks')
-if (progress[1] or '0') ~= ARGV[1] or progress[2] ~= run_id then
+if not run_id then
+  return redis.error_reply('ERR INFO gives no run_id: the cleanup on a cluster needs it')
+end
+local progress = redis.call('HMGET', KEYS[3], 'walk_cursor', 'walk_run_id', 'epoch',
+  'rewalks', 'walk')
+if progress[5] ~= ARGV[1] or (progress[1] or '0') ~= ARGV[2] or progress[2] ~= run_id then
   return 'raced'
 end
-if ARGV[2] == '0' then
+if ARGV[3] == '0' then
   local rewalks = tonumber(progress[4] or '0')
-  if (progress[3] ~= ARGV[4] or ARGV[5] == '1') and rewalks < 3 then
-    redis.call('HSET', KEYS[3], 'cursor', '0', 'scanned', 0, 'epoch', ARGV[4],
-      'rewalks', rewalks + 1)
+  if (progress[3] ~= ARGV[5] or ARGV[6] == '1') and rewalks < 3 then
+    redis.call('HDEL', KEYS[3], 'walk_cursor')
+    redis.call('HSET', KEYS[3], 'scanned', 0, 'epoch', ARGV[5], 'rewalks', rewalks + 1)
+    redis.call('HINCRBY', KEYS[3], 'walk', 1)
     return 'again'
   end
   redis.call('UNLINK', KEYS[2])
   if redis.call('EXISTS', KEYS[1]) == 1 then
-    redis.call('HDEL', KEYS[3], 'cursor')
+    redis.call('HDEL', KEYS[3], 'walk_cursor')
     return 'advanced'
   end
   redis.call('UNLINK', KEYS[3])
   return 'done'
 end
-redis.call('HSET', KEYS[3], 'cursor', ARGV[2])
-redis.call('HINCRBY', KEYS[3], 'scanned', ARGV[3])
+redis.call('HSET', KEYS[3], 'walk_cursor', ARGV[3])
+redis.call('HINCRBY', KEYS[3], 'scanned', ARGV[4])
 return 'advanced'

@@ -5,16 +5,20 @@
 -- failover) is not trusted: the walk starts again from 0.
 --
 -- The walk's bookkeeping lives in the progress hash, not in a worker's memory, so that it
--- survives a takeover: `epoch` is the cluster's current_epoch when the walk started (a
--- failover since then may have lost acknowledged deletes: cluster_advance.lua then walks
--- the set again), `rewalks` how often this set has been walked again.
+-- survives a takeover: `walk` numbers the walks (a new set, a walk again, a restart after
+-- a failover each take a new number, so that an advance from an earlier walk, which may
+-- carry the same cursor, is refused), `epoch` is the cluster's current_epoch when the
+-- walk started (a failover since then may have lost acknowledged deletes:
+-- cluster_advance.lua then walks the set again), `rewalks` how often this set has been
+-- walked again.
 --
 -- Moves no cursor: the cursor moves only after the chunk's entries are deleted
 -- (cluster_advance.lua), so a crash in between just repeats the chunk.
 --
 -- KEYS[1] server:{S}:users  KEYS[2] server:{S}:walking  KEYS[3] server:{S}:cleanup
 -- ARGV[1] SSCAN COUNT  ARGV[2] the cluster's current_epoch as the worker last read it
--- Returns {cursor used, next cursor, members}; {'', '0', {}} when there is nothing to walk
+-- Returns {walk number, cursor used, next cursor, members};
+-- {'', '', '0', {}} when there is nothing to walk
 
 local info = redis.pcall('INFO', 'server')
 local run_id = type(info) == 'string' and string.match(info, 'run_id:(%x+)')
@@ -22,19 +26,23 @@ if not run_id then
   return redis.error_reply('ERR INFO gives no run_id: the cleanup on a cluster needs it')
 end
 if redis.call('EXISTS', KEYS[2]) == 0 then
-  if redis.call('EXISTS', KEYS[1]) == 0 then return {'', '0', {}} end
+  if redis.call('EXISTS', KEYS[1]) == 0 then return {'', '', '0', {}} end
   redis.call('RENAME', KEYS[1], KEYS[2])
-  redis.call('HDEL', KEYS[3], 'cursor', 'rewalks')
-  redis.call('HSET', KEYS[3], 'run_id', run_id, 'epoch', ARGV[2], 'scanned', 0)
+  redis.call('HDEL', KEYS[3], 'walk_cursor', 'rewalks')
+  redis.call('HSET', KEYS[3], 'walk_run_id', run_id, 'epoch', ARGV[2], 'scanned', 0)
+  redis.call('HINCRBY', KEYS[3], 'walk', 1)
 end
-local progress = redis.call('HMGET', KEYS[3], 'cursor', 'run_id', 'epoch')
+local progress = redis.call('HMGET', KEYS[3], 'walk_cursor', 'walk_run_id', 'epoch')
 local cursor = progress[1] or '0'
 if progress[2] ~= run_id then
-  -- A walk restarted from 0 after a failover of this slot: a walk started before the
-  -- epoch we know of is compared against it at the end (walked again if they differ).
+  -- A walk restarted from 0 after a failover of this slot. A walk whose start epoch is
+  -- unknown is compared against 'unknown' at the end, so it is walked again.
   cursor = '0'
-  redis.call('HSET', KEYS[3], 'cursor', '0', 'run_id', run_id, 'scanned', 0)
+  redis.call('HDEL', KEYS[3], 'walk_cursor')
+  redis.call('HSET', KEYS[3], 'walk_run_id', run_id, 'scanned', 0)
+  redis.call('HINCRBY', KEYS[3], 'walk', 1)
   if not progress[3] then redis.call('HSET', KEYS[3], 'epoch', 'unknown') end
 end
+local walk = redis.call('HGET', KEYS[3], 'walk')
 local scan = redis.call('SSCAN', KEYS[2], cursor, 'COUNT', ARGV[1])
-return {cursor, scan[1], scan[2]}
+return {walk, cursor, scan[1], scan[2]}

@@ -12,9 +12,14 @@
 //! leaves such entries alone).
 //!
 //! On a Redis Cluster the forward entry and the reverse set are in different slots, so no
-//! MULTI can hold both: `register` writes the reverse set first, then the forward entry.
-//! A crash between them leaves a member without an entry (harmless), never an entry that
-//! no index knows (the drift sweep's job).
+//! MULTI can hold both: `register` writes the forward entry first, then the reverse set.
+//! That order is what lets a cleanup promise that no member added to S's set before its
+//! acknowledgement keeps an entry naming S: the member is written last, so by the time
+//! it can be walked, the entry it stands for is there to be checked. (The other order
+//! lets a cleanup walk the member before its entry exists, and acknowledge while the
+//! entry is still to be written.) A crash between the two writes leaves an entry that no
+//! index knows: the connection server is gone, so its owner soon has no liveness key, and
+//! the drift sweep deletes such an entry.
 
 use std::sync::LazyLock;
 
@@ -81,8 +86,8 @@ impl Registry {
                 .arg(server.as_str())
                 .to_owned(),
         };
-        // Reverse set first: the order that matters on a cluster (see the module docs).
-        crate::conn::transaction(conn, vec![reverse, forward]).await?;
+        // Forward entry first: the order that matters on a cluster (see the module docs).
+        crate::conn::transaction(conn, vec![forward, reverse]).await?;
         Ok(())
     }
 
@@ -109,19 +114,14 @@ impl Registry {
         Ok(())
     }
 
-    /// One pipeline per slot: the reverse set's, then the registry hash's (layout hash) or
-    /// one SET per user key, many in flight (layout keys).
+    /// One pipeline per slot: the registry hash's (layout hash) or one SET per user key,
+    /// many in flight (layout keys), then the reverse set's (see the module docs).
     async fn register_chunk_on_cluster(
         &self,
         conn: &RedisConn,
         users: &[&[u8]],
         server: &ServerId,
     ) -> Result<()> {
-        let () = redis::cmd("SADD")
-            .arg(self.keys.server_users(server))
-            .arg(users)
-            .query_async(&mut conn.clone())
-            .await?;
         match self.layout {
             Layout::Hash => {
                 let mut hset = redis::cmd("HSET");
@@ -144,6 +144,11 @@ impl Registry {
                 let _: Vec<()> = crate::conn::each_in_flight(conn, sets).await?;
             }
         }
+        let () = redis::cmd("SADD")
+            .arg(self.keys.server_users(server))
+            .arg(users)
+            .query_async(&mut conn.clone())
+            .await?;
         Ok(())
     }
 

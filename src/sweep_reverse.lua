@@ -26,12 +26,13 @@ local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 -- Settle members set aside before the grace period, a bounded batch per step.
 local settled = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now_ms - tonumber(ARGV[6]),
   'LIMIT', 0, ARGV[3])
-if #settled > 0 then
-  local owners = owners_of(settled, 1, #settled, hash_layout, KEYS[2], ARGV[5])
-  for i = 1, #settled do
-    if owners[i] == ARGV[1] then redis.call('SADD', KEYS[1], settled[i]) end
+for first = 1, #settled, BATCH do
+  local last = math.min(first + BATCH - 1, #settled)
+  local owners = owners_of(settled, first, last, hash_layout, KEYS[2], ARGV[5])
+  for i = 1, #owners do
+    if owners[i] == ARGV[1] then redis.call('SADD', KEYS[1], settled[first + i - 1]) end
   end
-  redis.call('ZREM', KEYS[3], unpack(settled))
+  redis.call('ZREM', KEYS[3], unpack(settled, first, last))
 end
 
 local r = redis.call('SSCAN', KEYS[1], ARGV[2], 'COUNT', ARGV[3])

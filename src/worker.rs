@@ -125,6 +125,15 @@ impl Worker {
             other => other?,
         }
 
+        match retrying("checking INFO", &shutdown, || {
+            crate::cleanup::check_walkable(&this.conn)
+        })
+        .await
+        {
+            Err(Error::Cancelled) => return Ok(()),
+            other => other?,
+        }
+
         let stop_upkeep = shutdown.child_token();
         let upkeep = tokio::spawn(maintenance::run(
             this.conn.clone(),
