@@ -106,31 +106,53 @@ pub async fn ack(conn: &RedisConn, keys: &Keys, id: &str) -> Result<bool> {
     Ok(n == 1)
 }
 
-/// Copies `entry` to the dead-letter stream with `error` and `failed_at_ms`, and
-/// acknowledges it, in one MULTI: either both happen or neither (on a single node; see
-/// `conn::transaction` for a cluster).
+static DEAD_LETTER: std::sync::LazyLock<redis::Script> =
+    std::sync::LazyLock::new(|| redis::Script::new(include_str!("dead_letter.lua")));
+
+/// Field-value pairs above which an entry does not go through a script: Lua unpacks a
+/// script's arguments onto its C stack, which holds about 8,000 values.
+pub(crate) const MAX_SCRIPT_FIELDS: usize = 3_000;
+
+/// Copies `entry` to the dead-letter stream with `error` and `failed_at_ms`, and then
+/// acknowledges it, the second only if the first succeeded: an entry is never acknowledged
+/// without its dead letter (MULTI/EXEC would not do: it does not roll back, and runs the
+/// XACK after a failed XADD). On one node, one script (dead_letter.lua). On a cluster the
+/// two streams live in different slots, and an entry too large for a script's arguments
+/// takes the same path: XADD, then XACK; a crash between them leaves the entry pending,
+/// and its retry writes a second dead letter (duplicated, never lost).
 pub async fn dead_letter(conn: &RedisConn, keys: &Keys, entry: &Entry, error: &str) -> Result<()> {
-    let mut xadd = redis::cmd("XADD");
-    xadd.arg(keys.dead_letters()).arg("*");
+    let mut fields: Vec<(Vec<u8>, &[u8])> = Vec::with_capacity(entry.fields.len() + 2);
     for (k, v) in &entry.fields {
         // The janitor's own fields are written below; an original field of the same name
         // is kept under another name rather than silently overwritten.
         if k == b"error" || k == b"failed_at_ms" {
-            xadd.arg([b"original_".as_slice(), k].concat()).arg(v);
+            fields.push(([b"original_".as_slice(), k].concat(), v));
         } else {
-            xadd.arg(k).arg(v);
+            fields.push((k.clone(), v));
         }
     }
-    xadd.arg("error")
-        .arg(error)
-        .arg("failed_at_ms")
-        .arg(crate::now_ms());
-    let mut ack = redis::cmd("XACK");
-    ack.arg(keys.events()).arg(GROUP).arg(&entry.id);
-    // On a cluster the two streams live in different slots and run one after the other:
-    // a crash between them leaves the entry pending, and its retry writes a second dead
-    // letter (duplicated, never lost).
-    crate::conn::transaction(conn, vec![xadd, ack]).await?;
+    let now = crate::now_ms().to_string().into_bytes();
+    fields.push((b"error".to_vec(), error.as_bytes()));
+    fields.push((b"failed_at_ms".to_vec(), &now));
+    if conn.is_cluster() || fields.len() > MAX_SCRIPT_FIELDS {
+        let mut xadd = redis::cmd("XADD");
+        xadd.arg(keys.dead_letters()).arg("*");
+        for (k, v) in &fields {
+            xadd.arg(k).arg(*v);
+        }
+        let _: String = xadd.query_async(&mut conn.clone()).await?;
+        ack(conn, keys, &entry.id).await?;
+        return Ok(());
+    }
+    let mut call = DEAD_LETTER.prepare_invoke();
+    call.key(keys.events())
+        .key(keys.dead_letters())
+        .arg(GROUP)
+        .arg(&entry.id);
+    for (k, v) in &fields {
+        call.arg(k).arg(*v);
+    }
+    let _: String = call.invoke_async(&mut conn.clone()).await?;
     Ok(())
 }
 

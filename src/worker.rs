@@ -4,7 +4,7 @@
 //!  registry:events ──XREADGROUP (own connection, BLOCK)──► read loop ──spawn──► handle()
 //!        ▲                                                   │ permits          │
 //!        │              XAUTOCLAIM (idle > claim_min_idle) ──┘ (concurrency)    │
-//!        └──────────── XACK / dead letter + XACK (MULTI) ◄──────────────────────┘
+//!        └──────── XACK / dead letter then XACK (one script) ◄───────────────────┘
 //! ```
 //!
 //! - At most `concurrency` entries are in hand at once: a semaphore permit moves into
