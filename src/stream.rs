@@ -264,7 +264,12 @@ pub struct Claimed {
     pub deleted: usize,
 }
 
-/// Takes over up to `count` entries idle for at least `min_idle_ms`, starting at `cursor`.
+static AUTOCLAIM: std::sync::LazyLock<redis::Script> =
+    std::sync::LazyLock::new(|| redis::Script::new(include_str!("autoclaim.lua")));
+
+/// Takes over up to `count` entries idle for at least `min_idle_ms`, starting at `cursor`,
+/// each with its delivery count, in one script (autoclaim.lua): the claim and the counts
+/// cannot be separated by a failure, and each count is read by the entry's exact id.
 pub async fn autoclaim(
     conn: &RedisConn,
     keys: &Keys,
@@ -273,74 +278,53 @@ pub async fn autoclaim(
     cursor: &str,
     count: usize,
 ) -> Result<Claimed> {
-    let reply: Value = redis::cmd("XAUTOCLAIM")
-        .arg(keys.events())
+    let mut call = AUTOCLAIM.prepare_invoke();
+    call.key(keys.events())
         .arg(GROUP)
         .arg(consumer)
         .arg(min_idle_ms)
         .arg(cursor)
-        .arg("COUNT")
-        .arg(count)
-        .query_async(&mut conn.clone())
-        .await?;
-    let Value::Array(mut parts) = reply else {
-        return Err(protocol("XAUTOCLAIM reply", &reply));
+        .arg(count);
+    let reply: Value = call.invoke_async(&mut conn.clone()).await?;
+    let Value::Array(parts) = reply else {
+        return Err(protocol("autoclaim.lua reply", &reply));
     };
-    if parts.len() < 2 {
-        return Err(Error::Protocol("short XAUTOCLAIM reply".into()));
-    }
-    let deleted = match parts.get(2) {
-        Some(Value::Array(ids)) => ids.len(),
+    let Ok([cursor, claimed, deleted, counts]) = <[Value; 4]>::try_from(parts) else {
+        return Err(Error::Protocol(
+            "autoclaim.lua reply of the wrong size".into(),
+        ));
+    };
+    let next_cursor = String::from_utf8_lossy(&bytes(cursor)?).into_owned();
+    let deleted = match deleted {
+        Value::Array(ids) => ids.len(),
         _ => 0,
     };
-    parts.truncate(2);
-    let claimed = parts.pop().expect("two items");
-    let next_cursor =
-        String::from_utf8_lossy(&bytes(parts.pop().expect("two items"))?).into_owned();
-    let mut entries = Vec::new();
-    if let Value::Array(items) = claimed {
-        for item in items {
-            if let Some(entry) = parse_entry(item)? {
-                entries.push(entry);
-            }
-        }
+    let (Value::Array(claimed), Value::Array(counts)) = (claimed, counts) else {
+        return Err(Error::Protocol(
+            "autoclaim.lua: entries or counts not arrays".into(),
+        ));
+    };
+    if claimed.len() != counts.len() {
+        return Err(Error::Protocol(format!(
+            "autoclaim.lua: {} entries but {} counts",
+            claimed.len(),
+            counts.len()
+        )));
     }
-    let mut with_counts = Vec::with_capacity(entries.len());
-    if let (Some(first), Some(last)) = (entries.first(), entries.last()) {
-        let counts =
-            delivery_counts(conn, keys, consumer, &first.id, &last.id, entries.len()).await?;
-        for entry in entries {
-            let n = counts
-                .iter()
-                .find(|(id, _)| *id == entry.id)
-                .map_or(1, |(_, n)| *n);
-            with_counts.push((entry, n));
+    let mut entries = Vec::with_capacity(claimed.len());
+    for (item, n) in claimed.into_iter().zip(counts) {
+        let Value::Int(n) = n else {
+            return Err(protocol("delivery count", &n));
+        };
+        // An entry deleted while pending may come back without fields (older Redis):
+        // skipped. Redis 7 leaves such entries out and lists their ids under `deleted`.
+        if let Some(entry) = parse_entry(item)? {
+            entries.push((entry, n.max(1) as u64));
         }
     }
     Ok(Claimed {
         next_cursor,
-        entries: with_counts,
+        entries,
         deleted,
     })
-}
-
-/// Delivery counts of `consumer`'s pending entries between two ids (XPENDING extended form).
-async fn delivery_counts(
-    conn: &RedisConn,
-    keys: &Keys,
-    consumer: &str,
-    first: &str,
-    last: &str,
-    count: usize,
-) -> Result<Vec<(String, u64)>> {
-    let rows: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
-        .arg(keys.events())
-        .arg(GROUP)
-        .arg(first)
-        .arg(last)
-        .arg(count)
-        .arg(consumer)
-        .query_async(&mut conn.clone())
-        .await?;
-    Ok(rows.into_iter().map(|(id, _, _, n)| (id, n)).collect())
 }

@@ -518,3 +518,88 @@ async fn a_pending_entry_deleted_from_the_stream_is_counted_and_dropped() {
     assert_eq!(worker.metrics.entries_claimed.get(), 0);
     worker.stop().await;
 }
+
+/// Entries taken over are handled with their true delivery counts, even when the worker
+/// already holds entries of its own between them in the pending list (here: B, pending to
+/// the worker's consumer, between A and C). A and C were delivered 10 times before; the
+/// takeover makes 11, past `max_deliveries`: both are dead-lettered with that count, and
+/// their servers are left alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claimed_entries_are_handled_with_their_true_delivery_counts() {
+    let f = Fixture::with(Layout::Hash, |s| {
+        s.claim_min_idle_ms = 3000;
+        s.max_deliveries = 5;
+        s.consumer_name = Some("w1".into());
+    });
+    let (a, b, c) = (server("gw-a#1"), server("gw-b#1"), server("gw-c#1"));
+    stream::ensure_group(&f.conn, &f.keys).await.unwrap();
+    let mut ids = Vec::new();
+    for s in [&a, &b, &c] {
+        f.seed(s, 50).await;
+        ids.push(f.kill(s).await);
+    }
+    let read = stream::read_new(&f.conn, &f.keys, "ghost", 3, 100)
+        .await
+        .unwrap();
+    assert_eq!(read.len(), 3);
+    let group = registry_janitor::keys::GROUP;
+    // A and C: delivered 10 times to a consumer that died long ago.
+    let _: () = f
+        .query(
+            redis::cmd("XCLAIM")
+                .arg(f.keys.events())
+                .arg(group)
+                .arg("ghost")
+                .arg(0)
+                .arg(&ids[0])
+                .arg(&ids[2])
+                .arg("IDLE")
+                .arg(3_600_000)
+                .arg("RETRYCOUNT")
+                .arg(10)
+                .arg("JUSTID"),
+        )
+        .await;
+    // B: the worker's own, recently active (as a cleanup in hand would be).
+    let _: () = f
+        .query(
+            redis::cmd("XCLAIM")
+                .arg(f.keys.events())
+                .arg(group)
+                .arg("w1")
+                .arg(0)
+                .arg(&ids[1])
+                .arg("JUSTID"),
+        )
+        .await;
+    let worker = spawn_worker(&f.settings);
+    f.wait_idle().await;
+    worker.stop().await;
+
+    let letters = f.dead_letters().await;
+    let mut errors: Vec<(String, String)> = letters
+        .iter()
+        .map(|dl| {
+            let (_, server) = ServerDead::decode(dl.field("payload").unwrap(), 65536).unwrap();
+            let error = String::from_utf8_lossy(dl.field("error").unwrap()).into_owned();
+            (server.to_string(), error)
+        })
+        .collect();
+    errors.sort();
+    assert_eq!(errors.len(), 2, "{errors:?}");
+    for ((server, error), want) in errors.iter().zip([&a, &c]) {
+        assert_eq!(server, want.as_str());
+        assert!(error.contains("delivered 11 times"), "{error}");
+    }
+    assert_eq!(
+        f.still_pointing(&a, 50).await,
+        50,
+        "a was dead-lettered, not cleaned"
+    );
+    assert_eq!(
+        f.still_pointing(&c, 50).await,
+        50,
+        "c was dead-lettered, not cleaned"
+    );
+    assert_eq!(f.still_pointing(&b, 50).await, 0, "b was cleaned");
+}
