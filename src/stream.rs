@@ -34,6 +34,29 @@ pub async fn touch(conn: &RedisConn, keys: &Keys, consumer: &str, id: &str) -> R
     Ok(touched == 1)
 }
 
+static HAND_OFF: std::sync::LazyLock<redis::Script> =
+    std::sync::LazyLock::new(|| redis::Script::new(include_str!("hand_off.lua")));
+
+/// Hands entry `id` over after a graceful stop (see hand_off.lua): gives its delivery back
+/// and makes it claimable at once (idle for `idle_ms`), if `consumer` still owns it.
+/// Returns the delivery count left, or `None` if the entry is no longer ours.
+pub async fn hand_off(
+    conn: &RedisConn,
+    keys: &Keys,
+    consumer: &str,
+    id: &str,
+    idle_ms: u64,
+) -> Result<Option<u64>> {
+    let mut call = HAND_OFF.prepare_invoke();
+    call.key(keys.events())
+        .arg(GROUP)
+        .arg(consumer)
+        .arg(id)
+        .arg(idle_ms);
+    let left: i64 = call.invoke_async(&mut conn.clone()).await?;
+    Ok(u64::try_from(left).ok())
+}
+
 /// Registers `consumer` in the group if it is not there (a no-op otherwise).
 pub async fn register_consumer(conn: &RedisConn, keys: &Keys, consumer: &str) -> Result<()> {
     let _: i64 = redis::cmd("XGROUP")

@@ -603,3 +603,86 @@ async fn claimed_entries_are_handled_with_their_true_delivery_counts() {
     );
     assert_eq!(f.still_pointing(&b, 50).await, 0, "b was cleaned");
 }
+
+/// A rolling deploy: a long cleanup is handed over at SIGTERM (drain timeout reached) more
+/// times than `max_deliveries`, each time to a new worker process. Graceful hand-offs are
+/// not failed deliveries: the cleanup is never dead-lettered, and the last worker finishes
+/// it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_hand_offs_do_not_count_toward_max_deliveries() {
+    let f = Fixture::with(Layout::Hash, |s| {
+        s.chunk_size = 2;
+        s.chunks_in_flight = 1;
+        s.drain_timeout_ms = 50;
+        s.claim_min_idle_ms = 1000;
+        s.max_deliveries = 2;
+    });
+    const USERS: usize = 60_000;
+    const RESTARTS: usize = 4;
+    let dead = server("gw-rolling#1");
+    f.seed(&dead, USERS).await;
+    stream::ensure_group(&f.conn, &f.keys).await.unwrap();
+    let id = f.kill(&dead).await;
+    let owner = || async {
+        let rows: Vec<(String, String, u64, u64)> = f
+            .query(
+                redis::cmd("XPENDING")
+                    .arg(f.keys.events())
+                    .arg(registry_janitor::keys::GROUP)
+                    .arg(&id)
+                    .arg(&id)
+                    .arg(1),
+            )
+            .await;
+        rows.into_iter().next().map(|(_, consumer, _, _)| consumer)
+    };
+    for round in 0..RESTARTS {
+        let name = format!("rolling-{round}");
+        let worker = WorkerProcess::start_with(&f.settings, &[("JANITOR_CONSUMER_NAME", &name)]);
+        wait_until(
+            &f.redis,
+            &format!("{name} has the entry (or it is no longer pending)"),
+            Duration::from_secs(30),
+            || async {
+                match owner().await {
+                    Some(o) => o == name,
+                    // Not pending: delivered and settled, or not delivered yet.
+                    None => status::collect_from(&f.conn, &f.keys)
+                        .await
+                        .is_ok_and(|s| s.lag == Some(0)),
+                }
+            },
+        )
+        .await;
+        worker.signal("TERM");
+        let (status, log) = worker.wait(Duration::from_secs(10));
+        assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+        assert!(
+            owner().await.is_some(),
+            "after {} graceful hand-off(s) the entry is no longer pending; dead letters: {:?}\n{log}",
+            round + 1,
+            f.dead_letters()
+                .await
+                .iter()
+                .map(|dl| String::from_utf8_lossy(dl.field("error").unwrap_or_default()).into_owned())
+                .collect::<Vec<_>>()
+        );
+        assert!(log.contains("abandoned"), "{log}");
+    }
+    assert!(
+        f.still_pointing(&dead, USERS).await > 0,
+        "the cleanup had finished before the last restart: nothing was handed off"
+    );
+    let last = WorkerProcess::start_with(&f.settings, &[("JANITOR_CHUNK_SIZE", "1000")]);
+    f.wait_idle().await;
+    assert_eq!(f.still_pointing(&dead, USERS).await, 0);
+    assert_eq!(owner().await, None, "acknowledged");
+    assert!(
+        f.dead_letters().await.is_empty(),
+        "{:?}",
+        f.dead_letters().await
+    );
+    last.signal("TERM");
+    let (status, log) = last.wait(Duration::from_secs(10));
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+}
