@@ -270,3 +270,27 @@ async fn purge_all_deletes_nothing_when_the_key_is_not_a_stream() {
     let kept: Option<String> = f.query(redis::cmd("GET").arg(f.keys.dead_letters())).await;
     assert_eq!(kept.as_deref(), Some("not ours"));
 }
+
+/// An entry with more fields than a script can take as arguments (Lua unpacks them onto a
+/// stack of about 8,000 values) is still dead-lettered, whole, and acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_entry_with_thousands_of_fields_is_dead_lettered_whole() {
+    let f = Fixture::new(Layout::Hash);
+    let fields: Vec<(Vec<u8>, Vec<u8>)> = (0..5_000)
+        .map(|i| (format!("f{i}").into_bytes(), b"x".to_vec()))
+        .collect();
+    let borrowed: Vec<(&[u8], &[u8])> = fields
+        .iter()
+        .map(|(k, v)| (k.as_slice(), v.as_slice()))
+        .collect();
+    stream::publish(&f.conn, &f.keys.events(), &borrowed)
+        .await
+        .unwrap();
+    let worker = spawn_worker(&f.settings);
+    f.wait_idle().await;
+    worker.stop().await;
+    let letters = f.dead_letters().await;
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0].fields.len(), 5_000 + 2);
+    assert!(String::from_utf8_lossy(letters[0].field("error").unwrap()).contains("`type`"));
+}
