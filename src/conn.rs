@@ -110,10 +110,15 @@ pub async fn each_in_flight<T: redis::FromRedisValue + Send + 'static>(
         .collect::<redis::RedisResult<Vec<T>>>()?)
 }
 
-/// Runs `cmds` as one MULTI/EXEC on a single node (all or nothing). On a cluster the
-/// keys may live in different slots, where no MULTI can hold them: the commands run one
-/// after another, in the given order, and a crash between two of them leaves the earlier
-/// ones done. Callers order the commands so that such a state is harmless.
+/// Runs `cmds` as one MULTI/EXEC on a single node: no other client's command runs between
+/// them, and a command refused when queued (syntax, arity, ACL, OOM) discards them all.
+/// It is **not** all or nothing on errors: a command that fails at EXEC time (WRONGTYPE,
+/// for one) does not stop the others, and nothing is rolled back. Where a write must
+/// happen only if another succeeded, use a script (see `dead_letter.lua`). On a cluster
+/// the keys may live in different slots, where no MULTI can hold them: the commands run
+/// one after another, in the given order, stopping at the first error, and a crash
+/// between two of them leaves the earlier ones done. Callers order the commands so that
+/// any such partial state is harmless.
 pub async fn transaction(conn: &RedisConn, cmds: Vec<redis::Cmd>) -> Result<Vec<redis::Value>> {
     if conn.is_cluster() {
         let mut replies = Vec::with_capacity(cmds.len());

@@ -3,9 +3,11 @@
 //! A dead letter is the original entry's fields plus `error` and `failed_at_ms` (an
 //! original field already called so is kept as `original_<name>`). Replay strips the
 //! janitor's fields, restores the originals and publishes the entry again on the events
-//! stream, deleting the dead letter in the same MULTI, so an entry is never in both
-//! streams nor in neither (on a cluster, where the two streams are in different slots,
-//! XADD then XDEL: a crash between them leaves it in both, never in neither).
+//! stream, and deletes the dead letter only if that publish succeeded, in one script
+//! (replay.lua), so an entry is never in both streams nor in neither (MULTI/EXEC would
+//! not do: it runs the XDEL after a failed XADD). On a cluster, where the two streams are
+//! in different slots, XADD then XDEL: a crash between them leaves it in both, never in
+//! neither.
 
 use crate::conn::RedisConn;
 use serde::Serialize;
@@ -95,6 +97,9 @@ async fn read(conn: &RedisConn, keys: &Keys, count: usize, id: Option<&str>) -> 
     Ok(out)
 }
 
+static REPLAY: std::sync::LazyLock<redis::Script> =
+    std::sync::LazyLock::new(|| redis::Script::new(include_str!("replay.lua")));
+
 /// Publishes dead letters `ids` (all of them, oldest first, when empty) again on the
 /// events stream. Returns (dead-letter id, new events id) pairs.
 pub async fn replay(
@@ -120,19 +125,31 @@ pub async fn replay(
     };
     let mut replayed = Vec::new();
     for dead in entries {
-        let mut xadd = redis::cmd("XADD");
-        xadd.arg(keys.events()).arg("*");
-        for (k, v) in original_fields(&dead) {
-            xadd.arg(k).arg(v);
-        }
-        let mut xdel = redis::cmd("XDEL");
-        xdel.arg(keys.dead_letters()).arg(&dead.id);
-        // On a cluster (two slots, no MULTI) a crash between the two leaves the dead
-        // letter in place too: replaying it again is harmless, the cleanup is idempotent.
-        let replies = crate::conn::transaction(conn, vec![xadd, xdel]).await?;
-        let new_id = match replies.first() {
-            Some(redis::Value::BulkString(id)) => String::from_utf8_lossy(id).into_owned(),
-            other => return Err(Error::Protocol(format!("XADD replied {other:?}"))),
+        let fields = original_fields(&dead);
+        let new_id: String = if conn.is_cluster() || fields.len() > stream::MAX_SCRIPT_FIELDS {
+            // Two slots, no script: a crash between the two leaves the dead letter in place
+            // too; replaying it again is harmless, the cleanup is idempotent.
+            let mut xadd = redis::cmd("XADD");
+            xadd.arg(keys.events()).arg("*");
+            for (k, v) in &fields {
+                xadd.arg(k).arg(v);
+            }
+            let new_id = xadd.query_async(&mut conn.clone()).await?;
+            let _: i64 = redis::cmd("XDEL")
+                .arg(keys.dead_letters())
+                .arg(&dead.id)
+                .query_async(&mut conn.clone())
+                .await?;
+            new_id
+        } else {
+            let mut call = REPLAY.prepare_invoke();
+            call.key(keys.events())
+                .key(keys.dead_letters())
+                .arg(&dead.id);
+            for (k, v) in &fields {
+                call.arg(k).arg(v);
+            }
+            call.invoke_async(&mut conn.clone()).await?
         };
         replayed.push((dead.id, new_id));
     }
@@ -144,6 +161,14 @@ pub async fn replay(
 pub async fn purge(conn: &RedisConn, keys: &Keys, ids: &[String]) -> Result<u64> {
     let mut c = conn.clone();
     if ids.is_empty() {
+        // MULTI does not stop at a failing command: were the key not a stream, XLEN would
+        // fail and DEL still delete it. So its type is checked first (XLEN alone fails on
+        // a key that is not a stream); the MULTI then counts exactly what it deletes. Not a
+        // script, so that a role without DEL is refused with the command named.
+        let _: u64 = redis::cmd("XLEN")
+            .arg(keys.dead_letters())
+            .query_async(&mut c)
+            .await?;
         let (n, _): (u64, i64) = redis::pipe()
             .atomic()
             .xlen(keys.dead_letters())

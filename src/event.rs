@@ -26,6 +26,10 @@ const MAX_SERVER_ID: usize = 200;
 pub enum EventError {
     #[error("payload is not a valid MessagePack map of the contract's keys: {0}")]
     Decode(String),
+    /// Not a map with named keys: an array of the values in field order, or a map keyed by
+    /// field numbers, which serde would otherwise accept for a struct.
+    #[error("{0}")]
+    NotNamedMap(String),
     #[error("payload is {size} bytes, more than the limit of {limit}")]
     TooLarge { size: usize, limit: usize },
     #[error("unsupported schema version v={0} (this worker supports {SCHEMA_VERSION})")]
@@ -121,7 +125,7 @@ impl ServerDead {
                 limit: max_bytes,
             });
         }
-        check_structure(bytes, MAX_NESTING).map_err(EventError::Decode)?;
+        check_structure(bytes, MAX_NESTING)?;
         let event: ServerDead =
             rmp_serde::from_slice(bytes).map_err(|e| EventError::Decode(e.to_string()))?;
         let server = event.validate()?;
@@ -153,7 +157,57 @@ const MAX_NESTING: usize = 32;
 /// (string, binary, array, map) larger than the bytes that are actually there. Hostile
 /// payloads are refused here without deep recursion (a stack overflow would kill the
 /// worker) and without allocating what a length header claims.
-fn check_structure(bytes: &[u8], max_depth: usize) -> Result<(), String> {
+///
+/// It also enforces the contract's shape, which serde does not: the document is a map,
+/// and every key of that map is a string. serde's derived `Deserialize` accepts a struct
+/// as an array of its values in field order, and as a map keyed by field numbers; both
+/// are positional forms that would silently shift meaning if a field were ever added or
+/// reordered. (The fields' own values are scalars, which no array or map can stand for.)
+fn check_structure(bytes: &[u8], max_depth: usize) -> Result<(), EventError> {
+    walk(bytes, max_depth).map_err(|e| match e {
+        Walk::Shape(e) => e,
+        Walk::Malformed(m) => EventError::Decode(m),
+    })
+}
+
+/// What a MessagePack marker byte starts, for error messages.
+fn kind(marker: u8) -> &'static str {
+    match marker {
+        0x00..=0x7f | 0xe0..=0xff | 0xcc..=0xd3 => "integer",
+        0x80..=0x8f | 0xde | 0xdf => "map",
+        0x90..=0x9f | 0xdc | 0xdd => "array",
+        0xa0..=0xbf | 0xd9..=0xdb => "string",
+        0xc0 => "nil",
+        0xc2 | 0xc3 => "boolean",
+        0xc4..=0xc6 => "binary",
+        0xca | 0xcb => "float",
+        0xc7..=0xc9 | 0xd4..=0xd8 => "extension",
+        0xc1 => "invalid marker (0xc1)",
+    }
+}
+
+/// Why a walk stopped: the shape the contract requires, or bytes that are not MessagePack.
+enum Walk {
+    Shape(EventError),
+    Malformed(String),
+}
+
+impl From<String> for Walk {
+    fn from(m: String) -> Self {
+        Walk::Malformed(m)
+    }
+}
+
+impl From<&str> for Walk {
+    fn from(m: &str) -> Self {
+        Walk::Malformed(m.to_owned())
+    }
+}
+
+/// The walk of [`check_structure`].
+fn walk(bytes: &[u8], max_depth: usize) -> Result<(), Walk> {
+    // Keys of the top-level map seen so far, for error messages.
+    let mut top_keys = 0u64;
     let mut pos = 0usize;
     // Values still to read at each open level (the document itself is one value).
     let mut pending: Vec<u64> = vec![1];
@@ -168,14 +222,39 @@ fn check_structure(bytes: &[u8], max_depth: usize) -> Result<(), String> {
         *pos = end;
         Ok(v)
     };
-    while let Some(left) = pending.last_mut() {
+    loop {
+        // 1: the document itself; 2: its elements (the document is checked to be a map,
+        // whose elements count down from 2n, so an even count left means a key).
+        let depth = pending.len();
+        let Some(left) = pending.last_mut() else {
+            break;
+        };
         if *left == 0 {
             pending.pop();
             continue;
         }
+        let is_top_key = depth == 2 && *left % 2 == 0;
         *left -= 1;
         let marker = *bytes.get(pos).ok_or("truncated")?;
         pos += 1;
+        if marker == 0xc1 {
+            return Err("invalid MessagePack marker 0xc1".into());
+        }
+        if depth == 1 && kind(marker) != "map" {
+            return Err(Walk::Shape(EventError::NotNamedMap(format!(
+                "payload is a MessagePack {}; a map with named keys is required",
+                kind(marker)
+            ))));
+        }
+        if is_top_key {
+            top_keys += 1;
+            if kind(marker) != "string" {
+                return Err(Walk::Shape(EventError::NotNamedMap(format!(
+                    "key {top_keys} of the payload map is a MessagePack {}; keys must be strings (field names)",
+                    kind(marker)
+                ))));
+            }
+        }
         // (bytes of payload to skip, elements of a new level)
         let (skip, children): (u64, u64) = match marker {
             0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3 => (0, 0),
@@ -203,28 +282,26 @@ fn check_structure(bytes: &[u8], max_depth: usize) -> Result<(), String> {
             0xdd => (0, take(&mut pos, 4)?),
             0xde => (0, take(&mut pos, 2)? * 2),
             0xdf => (0, take(&mut pos, 4)? * 2),
-            0xc1 => return Err("invalid MessagePack marker 0xc1".into()),
+            0xc1 => unreachable!("refused above"),
         };
         let remaining = (bytes.len() - pos) as u64;
         if skip > remaining || children > remaining {
             return Err(format!(
                 "a length of {} exceeds the {remaining} bytes left",
                 skip.max(children)
-            ));
+            )
+            .into());
         }
         pos += skip as usize;
         if children > 0 {
             if pending.len() > max_depth {
-                return Err(format!("values nested deeper than {max_depth} levels"));
+                return Err(format!("values nested deeper than {max_depth} levels").into());
             }
             pending.push(children);
         }
     }
     if pos != bytes.len() {
-        return Err(format!(
-            "{} bytes after the end of the payload",
-            bytes.len() - pos
-        ));
+        return Err(format!("{} bytes after the end of the payload", bytes.len() - pos).into());
     }
     Ok(())
 }
@@ -355,6 +432,53 @@ mod tests {
             ServerDead::decode(&event("gw").encode(), 4),
             Err(EventError::TooLarge { .. })
         ));
+    }
+
+    #[test]
+    fn only_a_map_with_named_keys_is_accepted() {
+        let e = event("gw-1");
+        let refused = |bytes: &[u8]| match ServerDead::decode(bytes, 65536) {
+            Err(EventError::NotNamedMap(why)) => why,
+            other => panic!("{bytes:x?} gave {other:?}"),
+        };
+        // The struct's values in field order, as rmp_serde::to_vec writes them.
+        let positional = rmp_serde::to_vec(&e).unwrap();
+        assert_eq!(positional[0] & 0xf0, 0x90, "fixarray");
+        assert_eq!(
+            refused(&positional),
+            "payload is a MessagePack array; a map with named keys is required"
+        );
+        for (bytes, kind) in [
+            (vec![0xdc, 0, 0], "array"),
+            (vec![0xa1, b'x'], "string"),
+            (vec![0x01], "integer"),
+            (vec![0xc0], "nil"),
+            (vec![0xc4, 1, 0], "binary"),
+            (vec![0xd4, 1, 0], "extension"),
+        ] {
+            assert!(
+                refused(&bytes).contains(&format!("MessagePack {kind};")),
+                "{kind}"
+            );
+        }
+        // A map keyed by field numbers: serde maps 0 -> `v`, 1 -> `event_id`...
+        let numbered = [&[
+            0x84, 0x00, 0x01, 0x01, 0xa1, b'e', 0x02, 0xa2, b'g', b'w', 0x03, 0x05,
+        ][..]]
+        .concat();
+        assert_eq!(
+            refused(&numbered),
+            "key 1 of the payload map is a MessagePack integer; keys must be strings (field names)"
+        );
+        // One numbered key among named ones (here the 6th key, a binary "extra").
+        let mut mixed = e.encode();
+        mixed[0] += 1;
+        mixed.extend_from_slice(&[0xc4, 5]);
+        mixed.extend_from_slice(b"extra");
+        mixed.extend_from_slice(&[0xa1, b'x']);
+        assert!(refused(&mixed).starts_with("key 6 of the payload map is a MessagePack binary"));
+        // Nested values of unknown keys may have any shape.
+        assert!(ServerDead::decode(&nested(3), 65536).is_ok());
     }
 
     /// A payload with an unknown key whose value is `depth` nested one-element arrays.

@@ -87,6 +87,10 @@ impl Registry {
                 .to_owned(),
         };
         // Forward entry first: the order that matters on a cluster (see the module docs).
+        // One of the two may fail at EXEC time while the other is done (MULTI does not roll
+        // back); the error is returned, and either partial state is one the janitor already
+        // handles: a member without its forward entry is dropped by the cleanup, a forward
+        // entry without its member is found by the reconciler's sweep once its server dies.
         crate::conn::transaction(conn, vec![forward, reverse]).await?;
         Ok(())
     }
@@ -182,6 +186,8 @@ impl Registry {
         seen.arg(self.keys.servers())
             .arg(crate::now_ms())
             .arg(server.as_str());
+        // Either write alone is a fresher sign of life, never a false death; an error in
+        // one (EXEC does not roll back) is returned and the next heartbeat writes both.
         crate::conn::transaction(conn, vec![alive, seen]).await?;
         Ok(())
     }

@@ -34,6 +34,29 @@ pub async fn touch(conn: &RedisConn, keys: &Keys, consumer: &str, id: &str) -> R
     Ok(touched == 1)
 }
 
+static HAND_OFF: std::sync::LazyLock<redis::Script> =
+    std::sync::LazyLock::new(|| redis::Script::new(include_str!("hand_off.lua")));
+
+/// Hands entry `id` over after a graceful stop (see hand_off.lua): gives its delivery back
+/// and makes it claimable at once (idle for `idle_ms`), if `consumer` still owns it.
+/// Returns the delivery count left, or `None` if the entry is no longer ours.
+pub async fn hand_off(
+    conn: &RedisConn,
+    keys: &Keys,
+    consumer: &str,
+    id: &str,
+    idle_ms: u64,
+) -> Result<Option<u64>> {
+    let mut call = HAND_OFF.prepare_invoke();
+    call.key(keys.events())
+        .arg(GROUP)
+        .arg(consumer)
+        .arg(id)
+        .arg(idle_ms);
+    let left: i64 = call.invoke_async(&mut conn.clone()).await?;
+    Ok(u64::try_from(left).ok())
+}
+
 /// Registers `consumer` in the group if it is not there (a no-op otherwise).
 pub async fn register_consumer(conn: &RedisConn, keys: &Keys, consumer: &str) -> Result<()> {
     let _: i64 = redis::cmd("XGROUP")
@@ -106,31 +129,53 @@ pub async fn ack(conn: &RedisConn, keys: &Keys, id: &str) -> Result<bool> {
     Ok(n == 1)
 }
 
-/// Copies `entry` to the dead-letter stream with `error` and `failed_at_ms`, and
-/// acknowledges it, in one MULTI: either both happen or neither (on a single node; see
-/// `conn::transaction` for a cluster).
+static DEAD_LETTER: std::sync::LazyLock<redis::Script> =
+    std::sync::LazyLock::new(|| redis::Script::new(include_str!("dead_letter.lua")));
+
+/// Field-value pairs above which an entry does not go through a script: Lua unpacks a
+/// script's arguments onto its C stack, which holds about 8,000 values.
+pub(crate) const MAX_SCRIPT_FIELDS: usize = 3_000;
+
+/// Copies `entry` to the dead-letter stream with `error` and `failed_at_ms`, and then
+/// acknowledges it, the second only if the first succeeded: an entry is never acknowledged
+/// without its dead letter (MULTI/EXEC would not do: it does not roll back, and runs the
+/// XACK after a failed XADD). On one node, one script (dead_letter.lua). On a cluster the
+/// two streams live in different slots, and an entry too large for a script's arguments
+/// takes the same path: XADD, then XACK; a crash between them leaves the entry pending,
+/// and its retry writes a second dead letter (duplicated, never lost).
 pub async fn dead_letter(conn: &RedisConn, keys: &Keys, entry: &Entry, error: &str) -> Result<()> {
-    let mut xadd = redis::cmd("XADD");
-    xadd.arg(keys.dead_letters()).arg("*");
+    let mut fields: Vec<(Vec<u8>, &[u8])> = Vec::with_capacity(entry.fields.len() + 2);
     for (k, v) in &entry.fields {
         // The janitor's own fields are written below; an original field of the same name
         // is kept under another name rather than silently overwritten.
         if k == b"error" || k == b"failed_at_ms" {
-            xadd.arg([b"original_".as_slice(), k].concat()).arg(v);
+            fields.push(([b"original_".as_slice(), k].concat(), v));
         } else {
-            xadd.arg(k).arg(v);
+            fields.push((k.clone(), v));
         }
     }
-    xadd.arg("error")
-        .arg(error)
-        .arg("failed_at_ms")
-        .arg(crate::now_ms());
-    let mut ack = redis::cmd("XACK");
-    ack.arg(keys.events()).arg(GROUP).arg(&entry.id);
-    // On a cluster the two streams live in different slots and run one after the other:
-    // a crash between them leaves the entry pending, and its retry writes a second dead
-    // letter (duplicated, never lost).
-    crate::conn::transaction(conn, vec![xadd, ack]).await?;
+    let now = crate::now_ms().to_string().into_bytes();
+    fields.push((b"error".to_vec(), error.as_bytes()));
+    fields.push((b"failed_at_ms".to_vec(), &now));
+    if conn.is_cluster() || fields.len() > MAX_SCRIPT_FIELDS {
+        let mut xadd = redis::cmd("XADD");
+        xadd.arg(keys.dead_letters()).arg("*");
+        for (k, v) in &fields {
+            xadd.arg(k).arg(*v);
+        }
+        let _: String = xadd.query_async(&mut conn.clone()).await?;
+        ack(conn, keys, &entry.id).await?;
+        return Ok(());
+    }
+    let mut call = DEAD_LETTER.prepare_invoke();
+    call.key(keys.events())
+        .key(keys.dead_letters())
+        .arg(GROUP)
+        .arg(&entry.id);
+    for (k, v) in &fields {
+        call.arg(k).arg(*v);
+    }
+    let _: String = call.invoke_async(&mut conn.clone()).await?;
     Ok(())
 }
 
@@ -242,7 +287,12 @@ pub struct Claimed {
     pub deleted: usize,
 }
 
-/// Takes over up to `count` entries idle for at least `min_idle_ms`, starting at `cursor`.
+static AUTOCLAIM: std::sync::LazyLock<redis::Script> =
+    std::sync::LazyLock::new(|| redis::Script::new(include_str!("autoclaim.lua")));
+
+/// Takes over up to `count` entries idle for at least `min_idle_ms`, starting at `cursor`,
+/// each with its delivery count, in one script (autoclaim.lua): the claim and the counts
+/// cannot be separated by a failure, and each count is read by the entry's exact id.
 pub async fn autoclaim(
     conn: &RedisConn,
     keys: &Keys,
@@ -251,74 +301,53 @@ pub async fn autoclaim(
     cursor: &str,
     count: usize,
 ) -> Result<Claimed> {
-    let reply: Value = redis::cmd("XAUTOCLAIM")
-        .arg(keys.events())
+    let mut call = AUTOCLAIM.prepare_invoke();
+    call.key(keys.events())
         .arg(GROUP)
         .arg(consumer)
         .arg(min_idle_ms)
         .arg(cursor)
-        .arg("COUNT")
-        .arg(count)
-        .query_async(&mut conn.clone())
-        .await?;
-    let Value::Array(mut parts) = reply else {
-        return Err(protocol("XAUTOCLAIM reply", &reply));
+        .arg(count);
+    let reply: Value = call.invoke_async(&mut conn.clone()).await?;
+    let Value::Array(parts) = reply else {
+        return Err(protocol("autoclaim.lua reply", &reply));
     };
-    if parts.len() < 2 {
-        return Err(Error::Protocol("short XAUTOCLAIM reply".into()));
-    }
-    let deleted = match parts.get(2) {
-        Some(Value::Array(ids)) => ids.len(),
+    let Ok([cursor, claimed, deleted, counts]) = <[Value; 4]>::try_from(parts) else {
+        return Err(Error::Protocol(
+            "autoclaim.lua reply of the wrong size".into(),
+        ));
+    };
+    let next_cursor = String::from_utf8_lossy(&bytes(cursor)?).into_owned();
+    let deleted = match deleted {
+        Value::Array(ids) => ids.len(),
         _ => 0,
     };
-    parts.truncate(2);
-    let claimed = parts.pop().expect("two items");
-    let next_cursor =
-        String::from_utf8_lossy(&bytes(parts.pop().expect("two items"))?).into_owned();
-    let mut entries = Vec::new();
-    if let Value::Array(items) = claimed {
-        for item in items {
-            if let Some(entry) = parse_entry(item)? {
-                entries.push(entry);
-            }
-        }
+    let (Value::Array(claimed), Value::Array(counts)) = (claimed, counts) else {
+        return Err(Error::Protocol(
+            "autoclaim.lua: entries or counts not arrays".into(),
+        ));
+    };
+    if claimed.len() != counts.len() {
+        return Err(Error::Protocol(format!(
+            "autoclaim.lua: {} entries but {} counts",
+            claimed.len(),
+            counts.len()
+        )));
     }
-    let mut with_counts = Vec::with_capacity(entries.len());
-    if let (Some(first), Some(last)) = (entries.first(), entries.last()) {
-        let counts =
-            delivery_counts(conn, keys, consumer, &first.id, &last.id, entries.len()).await?;
-        for entry in entries {
-            let n = counts
-                .iter()
-                .find(|(id, _)| *id == entry.id)
-                .map_or(1, |(_, n)| *n);
-            with_counts.push((entry, n));
+    let mut entries = Vec::with_capacity(claimed.len());
+    for (item, n) in claimed.into_iter().zip(counts) {
+        let Value::Int(n) = n else {
+            return Err(protocol("delivery count", &n));
+        };
+        // An entry deleted while pending may come back without fields (older Redis):
+        // skipped. Redis 7 leaves such entries out and lists their ids under `deleted`.
+        if let Some(entry) = parse_entry(item)? {
+            entries.push((entry, n.max(1) as u64));
         }
     }
     Ok(Claimed {
         next_cursor,
-        entries: with_counts,
+        entries,
         deleted,
     })
-}
-
-/// Delivery counts of `consumer`'s pending entries between two ids (XPENDING extended form).
-async fn delivery_counts(
-    conn: &RedisConn,
-    keys: &Keys,
-    consumer: &str,
-    first: &str,
-    last: &str,
-    count: usize,
-) -> Result<Vec<(String, u64)>> {
-    let rows: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
-        .arg(keys.events())
-        .arg(GROUP)
-        .arg(first)
-        .arg(last)
-        .arg(count)
-        .arg(consumer)
-        .query_async(&mut conn.clone())
-        .await?;
-    Ok(rows.into_iter().map(|(id, _, _, n)| (id, n)).collect())
 }

@@ -4,7 +4,7 @@
 //!  registry:events ──XREADGROUP (own connection, BLOCK)──► read loop ──spawn──► handle()
 //!        ▲                                                   │ permits          │
 //!        │              XAUTOCLAIM (idle > claim_min_idle) ──┘ (concurrency)    │
-//!        └──────────── XACK / dead letter + XACK (MULTI) ◄──────────────────────┘
+//!        └──────── XACK / dead letter then XACK (one script) ◄───────────────────┘
 //! ```
 //!
 //! - At most `concurrency` entries are in hand at once: a semaphore permit moves into
@@ -390,7 +390,7 @@ impl Worker {
                         }
                         Err(Error::Cancelled) => {
                             metrics.events.with_label_values(&[outcome::ABANDONED]).inc();
-                            info!("cleanup abandoned at shutdown; the entry stays pending for takeover");
+                            self.hand_off(&entry.id).await;
                         }
                         Err(e) => {
                             metrics.events.with_label_values(&[outcome::FAILED]).inc();
@@ -441,6 +441,33 @@ impl Worker {
                 }
                 Err(e) => debug!(id, error = %e, "keep-alive failed; will try again"),
             }
+        }
+    }
+
+    /// After a cleanup was abandoned at shutdown: a graceful hand-off is not a failed
+    /// delivery, so the delivery is given back (a rolling deploy must not push a healthy
+    /// cleanup toward `max_deliveries`), and the entry is made claimable at once. One
+    /// attempt, as the process is stopping: if it fails, the entry keeps its count and is
+    /// taken over after `claim_min_idle_ms`, as after a crash.
+    async fn hand_off(&self, id: &str) {
+        match stream::hand_off(
+            &self.conn,
+            &self.keys,
+            &self.consumer,
+            id,
+            self.settings.claim_min_idle_ms,
+        )
+        .await
+        {
+            Ok(Some(deliveries)) => info!(
+                deliveries,
+                "cleanup abandoned at shutdown; handed over for takeover at once, this delivery not counted"
+            ),
+            Ok(None) => info!("cleanup abandoned at shutdown; the entry was already taken over"),
+            Err(e) => warn!(
+                error = %e,
+                "cleanup abandoned at shutdown; handing it over failed, the entry stays pending for takeover"
+            ),
         }
     }
 

@@ -518,3 +518,171 @@ async fn a_pending_entry_deleted_from_the_stream_is_counted_and_dropped() {
     assert_eq!(worker.metrics.entries_claimed.get(), 0);
     worker.stop().await;
 }
+
+/// Entries taken over are handled with their true delivery counts, even when the worker
+/// already holds entries of its own between them in the pending list (here: B, pending to
+/// the worker's consumer, between A and C). A and C were delivered 10 times before; the
+/// takeover makes 11, past `max_deliveries`: both are dead-lettered with that count, and
+/// their servers are left alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claimed_entries_are_handled_with_their_true_delivery_counts() {
+    let f = Fixture::with(Layout::Hash, |s| {
+        s.claim_min_idle_ms = 3000;
+        s.max_deliveries = 5;
+        s.consumer_name = Some("w1".into());
+    });
+    let (a, b, c) = (server("gw-a#1"), server("gw-b#1"), server("gw-c#1"));
+    stream::ensure_group(&f.conn, &f.keys).await.unwrap();
+    let mut ids = Vec::new();
+    for s in [&a, &b, &c] {
+        f.seed(s, 50).await;
+        ids.push(f.kill(s).await);
+    }
+    let read = stream::read_new(&f.conn, &f.keys, "ghost", 3, 100)
+        .await
+        .unwrap();
+    assert_eq!(read.len(), 3);
+    let group = registry_janitor::keys::GROUP;
+    // A and C: delivered 10 times to a consumer that died long ago.
+    let _: () = f
+        .query(
+            redis::cmd("XCLAIM")
+                .arg(f.keys.events())
+                .arg(group)
+                .arg("ghost")
+                .arg(0)
+                .arg(&ids[0])
+                .arg(&ids[2])
+                .arg("IDLE")
+                .arg(3_600_000)
+                .arg("RETRYCOUNT")
+                .arg(10)
+                .arg("JUSTID"),
+        )
+        .await;
+    // B: the worker's own, recently active (as a cleanup in hand would be).
+    let _: () = f
+        .query(
+            redis::cmd("XCLAIM")
+                .arg(f.keys.events())
+                .arg(group)
+                .arg("w1")
+                .arg(0)
+                .arg(&ids[1])
+                .arg("JUSTID"),
+        )
+        .await;
+    let worker = spawn_worker(&f.settings);
+    f.wait_idle().await;
+    worker.stop().await;
+
+    let letters = f.dead_letters().await;
+    let mut errors: Vec<(String, String)> = letters
+        .iter()
+        .map(|dl| {
+            let (_, server) = ServerDead::decode(dl.field("payload").unwrap(), 65536).unwrap();
+            let error = String::from_utf8_lossy(dl.field("error").unwrap()).into_owned();
+            (server.to_string(), error)
+        })
+        .collect();
+    errors.sort();
+    assert_eq!(errors.len(), 2, "{errors:?}");
+    for ((server, error), want) in errors.iter().zip([&a, &c]) {
+        assert_eq!(server, want.as_str());
+        assert!(error.contains("delivered 11 times"), "{error}");
+    }
+    assert_eq!(
+        f.still_pointing(&a, 50).await,
+        50,
+        "a was dead-lettered, not cleaned"
+    );
+    assert_eq!(
+        f.still_pointing(&c, 50).await,
+        50,
+        "c was dead-lettered, not cleaned"
+    );
+    assert_eq!(f.still_pointing(&b, 50).await, 0, "b was cleaned");
+}
+
+/// A rolling deploy: a long cleanup is handed over at SIGTERM (drain timeout reached) more
+/// times than `max_deliveries`, each time to a new worker process. Graceful hand-offs are
+/// not failed deliveries: the cleanup is never dead-lettered, and the last worker finishes
+/// it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_hand_offs_do_not_count_toward_max_deliveries() {
+    let f = Fixture::with(Layout::Hash, |s| {
+        s.chunk_size = 2;
+        s.chunks_in_flight = 1;
+        s.drain_timeout_ms = 50;
+        s.claim_min_idle_ms = 1000;
+        s.max_deliveries = 2;
+    });
+    const USERS: usize = 60_000;
+    const RESTARTS: usize = 4;
+    let dead = server("gw-rolling#1");
+    f.seed(&dead, USERS).await;
+    stream::ensure_group(&f.conn, &f.keys).await.unwrap();
+    let id = f.kill(&dead).await;
+    let owner = || async {
+        let rows: Vec<(String, String, u64, u64)> = f
+            .query(
+                redis::cmd("XPENDING")
+                    .arg(f.keys.events())
+                    .arg(registry_janitor::keys::GROUP)
+                    .arg(&id)
+                    .arg(&id)
+                    .arg(1),
+            )
+            .await;
+        rows.into_iter().next().map(|(_, consumer, _, _)| consumer)
+    };
+    for round in 0..RESTARTS {
+        let name = format!("rolling-{round}");
+        let worker = WorkerProcess::start_with(&f.settings, &[("JANITOR_CONSUMER_NAME", &name)]);
+        wait_until(
+            &f.redis,
+            &format!("{name} has the entry (or it is no longer pending)"),
+            Duration::from_secs(30),
+            || async {
+                match owner().await {
+                    Some(o) => o == name,
+                    // Not pending: delivered and settled, or not delivered yet.
+                    None => status::collect_from(&f.conn, &f.keys)
+                        .await
+                        .is_ok_and(|s| s.lag == Some(0)),
+                }
+            },
+        )
+        .await;
+        worker.signal("TERM");
+        let (status, log) = worker.wait(Duration::from_secs(10));
+        assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+        assert!(
+            owner().await.is_some(),
+            "after {} graceful hand-off(s) the entry is no longer pending; dead letters: {:?}\n{log}",
+            round + 1,
+            f.dead_letters()
+                .await
+                .iter()
+                .map(|dl| String::from_utf8_lossy(dl.field("error").unwrap_or_default()).into_owned())
+                .collect::<Vec<_>>()
+        );
+        assert!(log.contains("abandoned"), "{log}");
+    }
+    assert!(
+        f.still_pointing(&dead, USERS).await > 0,
+        "the cleanup had finished before the last restart: nothing was handed off"
+    );
+    let last = WorkerProcess::start_with(&f.settings, &[("JANITOR_CHUNK_SIZE", "1000")]);
+    f.wait_idle().await;
+    assert_eq!(f.still_pointing(&dead, USERS).await, 0);
+    assert_eq!(owner().await, None, "acknowledged");
+    assert!(
+        f.dead_letters().await.is_empty(),
+        "{:?}",
+        f.dead_letters().await
+    );
+    last.signal("TERM");
+    let (status, log) = last.wait(Duration::from_secs(10));
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+}

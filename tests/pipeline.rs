@@ -456,3 +456,81 @@ async fn unregister_removes_only_an_entry_that_is_still_ours() {
         assert_eq!(members, 0, "{layout:?}");
     }
 }
+
+/// The contract requires the payload to be a MessagePack map with named keys. A positional
+/// payload (an array of the values in field order, as `rmp_serde::to_vec` writes it) and a
+/// map keyed by field numbers are dead-lettered with an error naming the problem, and the
+/// registry is left untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn positional_payloads_are_dead_lettered_and_the_registry_is_untouched() {
+    let f = Fixture::new(Layout::Hash);
+    let s = server("gw-positional#1");
+    f.seed(&s, 200).await;
+    let event = ServerDead::new(&s, None, None);
+    let array = rmpv::Value::Array(vec![
+        1.into(),
+        event.event_id.as_str().into(),
+        s.as_str().into(),
+        event.detected_at_ms.into(),
+    ]);
+    let numbered = rmpv::Value::Map(vec![
+        (0.into(), 1.into()),
+        (1.into(), event.event_id.as_str().into()),
+        (2.into(), s.as_str().into()),
+        (3.into(), event.detected_at_ms.into()),
+    ]);
+    let encode = |v: &rmpv::Value| {
+        let mut out = Vec::new();
+        rmpv::encode::write_value(&mut out, v).unwrap();
+        out
+    };
+    let cases = [
+        (
+            encode(&array),
+            "payload is a MessagePack array; a map with named keys is required",
+        ),
+        (rmp_serde::to_vec(&event).unwrap(), "MessagePack array"),
+        (
+            encode(&numbered),
+            "key 1 of the payload map is a MessagePack integer; keys must be strings",
+        ),
+    ];
+    for (payload, _) in &cases {
+        stream::publish(
+            &f.conn,
+            &f.keys.events(),
+            &[(b"type", EVENT_TYPE.as_bytes()), (b"payload", payload)],
+        )
+        .await
+        .unwrap();
+    }
+    let worker = spawn_worker(&f.settings);
+    f.wait_idle().await;
+    worker.stop().await;
+    let letters = f.dead_letters().await;
+    assert_eq!(
+        letters.len(),
+        cases.len(),
+        "every positional payload refused"
+    );
+    for (payload, why) in &cases {
+        let dl = letters
+            .iter()
+            .find(|dl| dl.field("payload") == Some(payload.as_slice()))
+            .unwrap_or_else(|| panic!("no dead letter for {why:?}"));
+        let error = String::from_utf8_lossy(dl.field("error").unwrap()).into_owned();
+        assert!(
+            error.contains(why),
+            "error {error:?} should mention {why:?}"
+        );
+    }
+    assert_eq!(
+        f.still_pointing(&s, 200).await,
+        200,
+        "the registry was touched"
+    );
+    let members: u64 = f
+        .query(redis::cmd("SCARD").arg(f.keys.server_users(&s)))
+        .await;
+    assert_eq!(members, 200);
+}

@@ -241,6 +241,14 @@ async fn each_role_runs_the_flow_with_only_its_acl_rules() {
         .output()
         .unwrap();
     assert!(out.status.success(), "emitter: {:?}", text(&out));
+    // A malformed entry: the worker dead-letters it, the operator replays and purges it.
+    registry_janitor::stream::publish(
+        &f.conn,
+        &f.keys.events(),
+        &[(b"type", b"server.dead"), (b"payload", b"\x00junk")],
+    )
+    .await
+    .unwrap();
     let out = janitor(&as_role("janitor-reconciler"))
         .args(["reconcile", "--once"])
         .output()
@@ -264,6 +272,19 @@ async fn each_role_runs_the_flow_with_only_its_acl_rules() {
         "operator dead-letters: {:?}",
         text(&out)
     );
+    assert_eq!(f.dead_letters().await.len(), 1);
+    let out = janitor(&as_role("janitor-operator"))
+        .args(["dead-letters", "replay", "--all"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "operator replay: {:?}", text(&out));
+    f.wait_idle().await;
+    let out = janitor(&as_role("janitor-operator"))
+        .args(["dead-letters", "purge", "--all", "--yes"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "operator purge: {:?}", text(&out));
+    assert!(f.dead_letters().await.is_empty());
     worker.signal("TERM");
     let (status, log) = worker.wait(Duration::from_secs(10));
     assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
