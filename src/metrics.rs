@@ -49,6 +49,8 @@ pub struct Metrics {
     pub stream_pending: IntGauge,
     /// Entries in the dead-letter stream, sampled.
     pub dead_letters: IntGauge,
+    /// Stream entries this worker is handling now (cleaning, dead-lettering, acking).
+    pub entries_in_hand: IntGauge,
 }
 
 impl Metrics {
@@ -119,6 +121,10 @@ impl Metrics {
             "registry_janitor_dead_letters",
             "Entries in the dead-letter stream (sampled)",
         );
+        let entries_in_hand = gauge(
+            "registry_janitor_entries_in_hand",
+            "Stream entries this worker is handling now",
+        );
         let counter = |name: &str, help: &str| IntCounter::new(name, help).expect("valid metric");
         let reconcile_passes = counter(
             "registry_janitor_reconcile_passes_total",
@@ -149,6 +155,7 @@ impl Metrics {
             Box::new(stream_lag.clone()),
             Box::new(stream_pending.clone()),
             Box::new(dead_letters.clone()),
+            Box::new(entries_in_hand.clone()),
             Box::new(events.clone()),
             Box::new(entries_deleted.clone()),
             Box::new(entries_kept.clone()),
@@ -187,6 +194,7 @@ impl Metrics {
             stream_lag,
             stream_pending,
             dead_letters,
+            entries_in_hand,
         }
     }
 

@@ -337,6 +337,15 @@ impl Worker {
         _permit: OwnedSemaphorePermit,
         abandon: CancellationToken,
     ) {
+        // Falls when this function returns, whichever way.
+        struct InHand(prometheus::IntGauge);
+        impl Drop for InHand {
+            fn drop(&mut self) {
+                self.0.dec();
+            }
+        }
+        self.metrics.entries_in_hand.inc();
+        let _in_hand = InHand(self.metrics.entries_in_hand.clone());
         let classified = classify(&entry, self.settings.max_payload_bytes);
         if let Some(n) = deliveries.filter(|&n| n > self.settings.max_deliveries) {
             let mut reason = format!(

@@ -122,6 +122,7 @@ async fn cleans_dead_servers_on_a_cluster(layout: Layout) {
         (0, None),
         "the reverse set and the `servers` entry are gone"
     );
+    worker.settled().await;
     assert_eq!(worker.metrics.events_with(outcome::CLEANED), 2);
     assert_eq!(worker.metrics.entries_deleted.get(), 3_999);
     assert_eq!(worker.metrics.entries_kept.get(), 1);

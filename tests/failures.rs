@@ -401,6 +401,7 @@ async fn a_long_healthy_cleanup_is_not_taken_over() {
     let second = spawn_worker(&f.settings);
     f.wait_idle().await;
     let took = started.elapsed();
+    second.settled().await;
     assert_eq!(
         second.metrics.entries_claimed.get(),
         0,
@@ -412,6 +413,7 @@ async fn a_long_healthy_cleanup_is_not_taken_over() {
         took > Duration::from_secs(2),
         "the cleanup took {took:?}: too short to prove anything"
     );
+    first.settled().await;
     assert_eq!(first.metrics.events_with(outcome::CLEANED), 1);
     assert_eq!(f.still_pointing(&dead, USERS).await, 0);
     first.stop().await;
@@ -450,6 +452,7 @@ async fn a_cleanup_that_keeps_failing_is_dead_lettered_with_its_last_error() {
         error.contains("WRONGTYPE"),
         "the last error is kept: {error}"
     );
+    worker.settled().await;
     assert_eq!(worker.metrics.events_with(outcome::FAILED), 2);
     worker.stop().await;
 }
@@ -471,6 +474,7 @@ async fn the_group_is_created_again_when_the_stream_vanishes() {
     f.kill(&second).await;
     f.wait_idle().await;
     assert_eq!(f.still_pointing(&second, 100).await, 0);
+    worker.settled().await;
     assert_eq!(worker.metrics.events_with(outcome::CLEANED), 2);
     worker.stop().await;
 }
@@ -494,6 +498,7 @@ async fn scripts_are_loaded_again_after_script_flush() {
     }
     f.wait_idle().await;
     assert_eq!(f.still_pointing(&dead, USERS).await, 0);
+    worker.settled().await;
     assert_eq!(worker.metrics.events_with(outcome::CLEANED), 1);
     assert_eq!(worker.metrics.events_with(outcome::FAILED), 0);
     worker.stop().await;
@@ -514,6 +519,7 @@ async fn a_pending_entry_deleted_from_the_stream_is_counted_and_dropped() {
         .await;
     let worker = spawn_worker(&f.settings);
     f.wait_idle().await;
+    worker.settled().await;
     assert_eq!(worker.metrics.entries_vanished.get(), 1);
     assert_eq!(worker.metrics.entries_claimed.get(), 0);
     worker.stop().await;

@@ -73,6 +73,7 @@ async fn cleans_dead_servers(layout: Layout) {
         .await;
     assert_eq!(scores[..2], [None, None], "dead servers left `servers`");
     assert!(scores[2].is_some(), "the live server is still known");
+    worker.settled().await;
     assert_eq!(worker.metrics.events_with(outcome::CLEANED), 2);
     assert_eq!(worker.metrics.entries_deleted.get(), 9_998);
     assert_eq!(worker.metrics.entries_kept.get(), 2);
@@ -154,6 +155,7 @@ async fn a_server_with_no_users_is_cleaned() {
         )
         .await;
     assert_eq!(score, None);
+    worker.settled().await;
     assert_eq!(worker.metrics.events_with(outcome::CLEANED), 1);
     worker.stop().await;
 }
@@ -176,6 +178,7 @@ async fn duplicate_events_give_the_same_end_state() {
     f.kill(&dead).await;
     let worker = spawn_worker(&f.settings);
     f.wait_idle().await;
+    worker.settled().await;
     assert_eq!(worker.metrics.events_with(outcome::CLEANED), 3);
     assert_eq!(f.still_pointing(&dead, 3_000).await, 0);
     assert_eq!(f.still_pointing(&live, 1_000).await, 1_000);
@@ -205,6 +208,7 @@ async fn two_workers_share_one_stream() {
     for s in &dead {
         assert_eq!(f.still_pointing(s, 4_000).await, 0, "{s}");
     }
+    one.settled().await;
     let cleaned =
         one.metrics.events_with(outcome::CLEANED) + two.metrics.events_with(outcome::CLEANED);
     assert_eq!(
@@ -293,6 +297,7 @@ async fn malformed_entries_are_dead_lettered_and_the_group_moves_on() {
             .unwrap();
         assert!(failed_at > 1_700_000_000_000);
     }
+    worker.settled().await;
     assert_eq!(
         worker.metrics.events_with(outcome::DEAD_LETTERED),
         cases.len() as u64
@@ -320,6 +325,7 @@ async fn foreign_types_are_acknowledged_not_dead_lettered() {
     }
     let worker = spawn_worker(&f.settings);
     f.wait_idle().await;
+    worker.settled().await;
     assert_eq!(worker.metrics.events_with(outcome::IGNORED), 3);
     assert!(f.dead_letters().await.is_empty());
     worker.stop().await;
@@ -341,6 +347,7 @@ async fn an_entry_left_by_a_crashed_consumer_is_taken_over() {
 
     let worker = spawn_worker(&f.settings);
     f.wait_idle().await;
+    worker.settled().await;
     assert_eq!(worker.metrics.entries_claimed.get(), 1);
     assert_eq!(worker.metrics.events_with(outcome::CLEANED), 1);
     assert_eq!(f.still_pointing(&dead, 2_000).await, 0);
@@ -377,6 +384,7 @@ async fn an_entry_delivered_too_often_is_dead_lettered() {
     let error = String::from_utf8_lossy(dead_letters[0].field("error").unwrap()).into_owned();
     assert!(error.contains("delivered 4 times"), "{error}");
     assert_eq!(dead_letters[0].field("type"), Some(EVENT_TYPE.as_bytes()));
+    worker.settled().await;
     assert_eq!(worker.metrics.events_with(outcome::CLEANED), 0);
     worker.stop().await;
 }
@@ -391,6 +399,7 @@ async fn events_published_before_the_first_worker_are_processed() {
     let worker = spawn_worker(&f.settings);
     f.wait_idle().await;
     assert_eq!(f.still_pointing(&early, 500).await, 0);
+    worker.settled().await;
     assert_eq!(worker.metrics.events_with(outcome::CLEANED), 1);
     worker.stop().await;
 }
@@ -426,6 +435,7 @@ async fn user_ids_with_any_bytes_are_cleaned() {
             Some("gw-live#1"),
             "{layout:?}"
         );
+        worker.settled().await;
         assert_eq!(worker.metrics.entries_deleted.get(), 6);
         worker.stop().await;
     }

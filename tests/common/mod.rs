@@ -178,6 +178,17 @@ pub struct RunningWorker {
 }
 
 impl RunningWorker {
+    /// Waits until the worker holds no entry in hand. An entry is acknowledged before its
+    /// handler returns and counts it, so a test that saw the stream idle waits for this
+    /// before it reads the worker's counters.
+    pub async fn settled(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.metrics.entries_in_hand.get() > 0 {
+            assert!(Instant::now() < deadline, "the worker still holds entries");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     pub async fn stop(self) {
         self.stop.cancel();
         self.handle.await.unwrap().unwrap();
