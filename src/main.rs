@@ -240,11 +240,11 @@ async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
         Command::Reconcile { once } => {
             let metrics = Metrics::new();
             let reconciler = Reconciler::new(&settings, metrics.clone()).await?;
+            let shutdown = shutdown_on_signals();
             if once {
-                let report = reconciler.run_once().await?;
+                let report = reconciler.run_once_until(&shutdown).await?;
                 println!("{report}");
             } else {
-                let shutdown = shutdown_on_signals();
                 serve_metrics(
                     &settings,
                     metrics,
