@@ -631,6 +631,10 @@ impl Reconciler {
             .watch()
             .retrying("listing live servers", stop, || self.live_servers())
             .await?;
+        debug!(
+            live_servers = live.len(),
+            "sweeping the reverse sets of live servers"
+        );
         for server in live {
             let (scanned, removed) = self.sweep_reverse(&server, pause, stop).await?;
             report.live_servers += 1;
