@@ -765,7 +765,6 @@ impl Reconciler {
     /// or on every master of a cluster (notifications are per node).
     async fn hint_loop(self: Arc<Self>, shutdown: CancellationToken) {
         if let Some(client) = self.client.clone() {
-            self.ensure_notifications(&self.conn).await;
             let db = client.get_connection_info().redis_settings().db();
             return self.subscribe_hints(client, db, shutdown).await;
         }
@@ -790,9 +789,6 @@ impl Reconciler {
                                 continue;
                             }
                         };
-                        if let Ok(node) = conn::shared(&client) {
-                            self.ensure_notifications(&node).await;
-                        }
                         tokio::spawn(self.clone().subscribe_hints(
                             client,
                             0,
@@ -840,6 +836,11 @@ impl Reconciler {
                 Ok(p) => {
                     backoff = backon::BackoffBuilder::build(policy());
                     info!(%channel, "listening for liveness-key expiries");
+                    // Checked on every (re)subscription, not once at start: Redis may have
+                    // been down or busy then, and a restart forgets a CONFIG SET.
+                    if let Ok(node) = conn::shared(&client) {
+                        self.ensure_notifications(&node).await;
+                    }
                     p.into_on_message()
                 }
                 Err(e) => {

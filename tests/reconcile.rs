@@ -161,6 +161,42 @@ async fn the_reconciler_may_turn_notifications_on_itself() {
     worker.stop().await;
 }
 
+/// Redis down when the reconciler starts, then restarted (which forgets a CONFIG SET):
+/// notifications are turned on when it comes back, and hints work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notifications_are_turned_on_when_redis_comes_back() {
+    let mut f = Fixture::with(Layout::Hash, |s| {
+        s.reconcile_interval_ms = 120_000;
+        s.heartbeat_grace_ms = 200;
+        s.keyspace_events_auto = true;
+    });
+    f.redis.kill();
+    let reconciler = RunningReconciler::start(&f.settings);
+    tokio::time::sleep(Duration::from_millis(500)).await; // it starts while Redis is down
+    f.redis.restart().unwrap();
+    wait_until(
+        &f.redis,
+        "notify-keyspace-events turned on",
+        Duration::from_secs(20),
+        || async {
+            let v: redis::RedisResult<Vec<String>> = redis::cmd("CONFIG")
+                .arg("GET")
+                .arg("notify-keyspace-events")
+                .query_async(&mut f.conn.clone())
+                .await;
+            v.is_ok_and(|v| v[1].contains('E') && v[1].contains('x'))
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await; // let the subscription settle
+    let crashed = crashing_server(&f, "gw-crash#4", 500, 300).await;
+    let worker = spawn_worker(&f.settings);
+    wait_clean(&f, &crashed, 500, Duration::from_secs(20)).await;
+    assert!(reconciler.metrics.expiry_hints.get() >= 1);
+    reconciler.stop().await;
+    worker.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_with_an_old_heartbeat_and_no_key_is_declared_dead_and_a_live_one_never() {
     let f = Fixture::with(Layout::Hash, |s| s.heartbeat_grace_ms = 30_000);
