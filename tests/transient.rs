@@ -413,3 +413,37 @@ async fn connection_refused_at_start_up_is_waited_out() {
     assert_one_line_per_change(&worker_log, 1);
     assert_one_line_per_change(&reconciler_log, 1);
 }
+
+/// `reconcile --once` (a cron job) started during a state waits it out, then finishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconcile_once_waits_out_a_transient_state() {
+    let f = Fixture::new(Layout::Hash);
+    let silent = dead_server(&f, "gw-silent#1", USERS).await;
+    let held = enter(&f, State::NoReplicas).await;
+    let mut once = WorkerProcess::start_command(
+        &f.settings,
+        &[("JANITOR_HEARTBEAT_GRACE_MS", "1000")],
+        &["reconcile", "--once"],
+    );
+    let until = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < until {
+        assert!(once.is_running(), "it gave up:\n{}", once.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    leave(&f, held).await;
+    let (status, log) = once.wait(Duration::from_secs(30));
+    assert!(status.is_some_and(|s| s.success()), "{status:?}\n{log}");
+    let published: Vec<String> = read_stream(&f.conn, &f.keys.events())
+        .await
+        .iter()
+        .map(|e| {
+            let payload = e.field("payload").unwrap();
+            registry_janitor::event::ServerDead::decode(payload, 65536)
+                .unwrap()
+                .0
+                .server_id
+        })
+        .collect();
+    assert_eq!(published, vec![silent.as_str().to_owned()], "{log}");
+    assert_one_line_per_change(&log, 1);
+}
