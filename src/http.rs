@@ -2,7 +2,9 @@
 //!
 //! - `/healthz` (liveness): the process's main loop has turned recently. A Redis outage
 //!   does not fail it (the loop keeps turning while it retries); a stuck loop does.
-//! - `/readyz` (readiness): Redis answers and, for a worker, the consumer group exists.
+//! - `/readyz` (readiness): nothing of the process's work is failing on a transient Redis
+//!   state, Redis answers and, for a worker, its consumer can be registered in the group
+//!   (a write: refused under OOM, NOREPLICAS, MISCONF, READONLY).
 //! - `/metrics`: the Prometheus text format of this process's registry.
 //!
 //! The listener is handed a bound [`TcpListener`], so tests bind port 0.
@@ -29,6 +31,7 @@ use tracing::{debug, info};
 use crate::{
     keys::{Keys, GROUP},
     metrics::Metrics,
+    retry::Failing,
 };
 
 /// Liveness: when the main loop last turned.
@@ -63,35 +66,51 @@ impl Health {
 }
 
 /// Readiness: can this process do its job right now?
+///
+/// Not ready while any of its work is failing on a transient Redis state (see
+/// [`Failing`]: BUSY, LOADING, OOM, NOREPLICAS, MISCONF, READONLY, a refused connection...),
+/// while Redis does not answer PING, and, for a worker, while its consumer cannot be
+/// registered in the group.
 #[derive(Clone)]
 pub struct Readiness {
     pub conn: RedisConn,
     pub keys: Keys,
-    /// Workers also need the consumer group; the reconciler does not.
-    pub needs_group: bool,
+    /// A worker's consumer name; None for the reconciler. The worker's probe runs
+    /// `XGROUP CREATECONSUMER` for it: a write (flagged `denyoom`) that changes nothing
+    /// when the consumer exists, so Redis refuses it in every state that refuses the
+    /// worker's writes (OOM, NOREPLICAS, MISCONF, READONLY) and when the group is gone,
+    /// even while the worker has nothing to do. (A consumer removed by consumer expiry is
+    /// registered again, as the worker itself does between reads.)
+    pub consumer: Option<String>,
+    /// The work of this process failing right now.
+    pub failing: Arc<Failing>,
 }
 
 impl Readiness {
     pub async fn check(&self) -> Result<(), String> {
+        if let Some((what, error)) = self.failing.any() {
+            return Err(format!("{what} failing: {error}"));
+        }
         let mut c = self.conn.clone();
         let check = async {
             let _: String = redis::cmd("PING")
                 .query_async(&mut c)
                 .await
                 .map_err(|e| format!("redis: {e}"))?;
-            if self.needs_group {
-                let groups: Vec<std::collections::HashMap<String, redis::Value>> =
-                    redis::cmd("XINFO")
-                        .arg("GROUPS")
-                        .arg(self.keys.events())
-                        .query_async(&mut c)
-                        .await
-                        .map_err(|e| format!("consumer group: {e}"))?;
-                let found = groups
-                    .iter()
-                    .any(|g| matches!(g.get("name"), Some(redis::Value::BulkString(n)) if n == GROUP.as_bytes()));
-                if !found {
-                    return Err(format!("consumer group {GROUP} does not exist yet"));
+            if let Some(consumer) = &self.consumer {
+                let registered: redis::RedisResult<i64> = redis::cmd("XGROUP")
+                    .arg("CREATECONSUMER")
+                    .arg(self.keys.events())
+                    .arg(GROUP)
+                    .arg(consumer)
+                    .query_async(&mut c)
+                    .await;
+                match registered {
+                    Ok(_) => {}
+                    Err(e) if e.code() == Some("NOGROUP") => {
+                        return Err(format!("consumer group {GROUP} does not exist yet"))
+                    }
+                    Err(e) => return Err(format!("consumer group: {e}")),
                 }
             }
             Ok(())

@@ -14,6 +14,7 @@ use registry_janitor::{
     keys::Keys,
     metrics::Metrics,
     reconcile::Reconciler,
+    retry::retrying,
     status, stream,
     worker::Worker,
 };
@@ -188,7 +189,16 @@ async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
         Command::Worker => {
             let shutdown = shutdown_on_signals();
             let metrics = Metrics::new();
-            let worker = Worker::new(&settings, metrics.clone()).await?;
+            // On a cluster, `new` connects (to learn the slot map): a cluster that refuses
+            // or is down at start-up is waited out like any transient state.
+            let worker = match retrying("connecting to redis", &shutdown, || {
+                Worker::new(&settings, metrics.clone())
+            })
+            .await
+            {
+                Err(registry_janitor::Error::Cancelled) => return Ok(()),
+                other => other?,
+            };
             serve_metrics(
                 &settings,
                 metrics,
@@ -239,12 +249,19 @@ async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
         }
         Command::Reconcile { once } => {
             let metrics = Metrics::new();
-            let reconciler = Reconciler::new(&settings, metrics.clone()).await?;
+            let shutdown = shutdown_on_signals();
+            let reconciler = match retrying("connecting to redis", &shutdown, || {
+                Reconciler::new(&settings, metrics.clone())
+            })
+            .await
+            {
+                Err(registry_janitor::Error::Cancelled) if !once => return Ok(()),
+                other => other?,
+            };
             if once {
-                let report = reconciler.run_once().await?;
+                let report = reconciler.run_once_until(&shutdown).await?;
                 println!("{report}");
             } else {
-                let shutdown = shutdown_on_signals();
                 serve_metrics(
                     &settings,
                     metrics,

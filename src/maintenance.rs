@@ -8,12 +8,13 @@ use std::{sync::LazyLock, time::Duration};
 
 use crate::conn::RedisConn;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::info;
 
 use crate::{
     config::Settings,
     error::Result,
     keys::{Keys, GROUP},
+    retry::Episode,
 };
 
 static TRIM_STREAM: LazyLock<redis::Script> =
@@ -48,6 +49,10 @@ pub async fn run(conn: RedisConn, keys: Keys, settings: Settings, shutdown: Canc
     let every = Duration::from_millis(settings.maintenance_interval_ms);
     let retention = Duration::from_millis(settings.retention_ms);
     let expiry = Duration::from_millis(settings.consumer_expiry_ms);
+    // One line when a job starts failing and one when it works again, not one per
+    // interval. Upkeep can wait: its failures do not make the worker unready.
+    let mut trimming = Episode::new("trimming the events stream", None);
+    let mut expiring = Episode::new("removing gone consumers", None);
     loop {
         // Jitter, so that many workers started together do not run in step.
         let jitter = every.mul_f64(rand::random::<f64>() * 0.2);
@@ -56,19 +61,25 @@ pub async fn run(conn: RedisConn, keys: Keys, settings: Settings, shutdown: Canc
             _ = shutdown.cancelled() => return,
         }
         match trim_acknowledged(&conn, &keys, retention).await {
-            Ok(0) => {}
-            Ok(n) => info!(
-                removed = n,
-                "trimmed acknowledged entries off the events stream"
-            ),
-            Err(e) => warn!(error = %e, "trimming the events stream failed; will try again"),
+            Ok(n) => {
+                trimming.recovered();
+                if n > 0 {
+                    info!(
+                        removed = n,
+                        "trimmed acknowledged entries off the events stream"
+                    );
+                }
+            }
+            Err(e) => trimming.failed(&e, every),
         }
         match expire_consumers(&conn, &keys, expiry).await {
-            Ok(gone) if gone.is_empty() => {}
             Ok(gone) => {
-                info!(consumers = ?gone, "removed consumers that were gone (nothing pending)")
+                expiring.recovered();
+                if !gone.is_empty() {
+                    info!(consumers = ?gone, "removed consumers that were gone (nothing pending)")
+                }
             }
-            Err(e) => warn!(error = %e, "removing gone consumers failed; will try again"),
+            Err(e) => expiring.failed(&e, every),
         }
     }
 }

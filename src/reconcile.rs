@@ -15,7 +15,11 @@
 //!   then the reverse sets of live servers lose members whose user moved elsewhere
 //!   (`sweep_reverse.lua`).
 
-use std::{sync::Arc, sync::LazyLock, time::Duration};
+use std::{
+    collections::BTreeSet,
+    sync::{Arc, LazyLock, Mutex},
+    time::Duration,
+};
 
 use crate::conn::RedisConn;
 use futures_util::StreamExt;
@@ -31,7 +35,7 @@ use crate::{
     http::{Health, Readiness},
     keys::Keys,
     metrics::Metrics,
-    retry::{policy, retrying_counted},
+    retry::{policy, Failing, Watch},
 };
 
 static REPORT_DEAD: LazyLock<redis::Script> =
@@ -53,6 +57,11 @@ static SWEEP_REVERSE: LazyLock<redis::Script> = LazyLock::new(|| {
 
 /// Servers read from `servers` per round trip.
 const PAGE: usize = 1000;
+
+/// Expiry hints checked at once. A check may wait up to `heartbeat_grace_ms` for a
+/// recent heartbeat to age; past this many, further hints are dropped (counted in the
+/// debug log) and those servers are found by the next pass, as when a hint is lost.
+pub const HINT_CHECKS: usize = 64;
 
 /// What [`Reconciler::check`] found about one server.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -129,6 +138,12 @@ pub struct Reconciler {
     conn: RedisConn,
     metrics: Metrics,
     health: Arc<Health>,
+    /// Work failing on a transient Redis state right now; read by `/readyz`.
+    failing: Arc<Failing>,
+    /// Bounds the checks started by expiry hints ([`HINT_CHECKS`]).
+    hint_permits: Arc<tokio::sync::Semaphore>,
+    /// Servers being checked because of a hint: a second hint for one is dropped.
+    hinted: Mutex<BTreeSet<ServerId>>,
 }
 
 impl Reconciler {
@@ -152,7 +167,19 @@ impl Reconciler {
             settings: settings.clone(),
             metrics,
             health: Health::new(stall_after),
+            failing: Failing::new(),
+            hint_permits: Arc::new(tokio::sync::Semaphore::new(HINT_CHECKS)),
+            hinted: Mutex::default(),
         })
+    }
+
+    /// Where retries report: the error counter, the liveness, the readiness.
+    fn watch(&self) -> Watch {
+        Watch {
+            errors: self.metrics.redis_errors.clone(),
+            health: self.health.clone(),
+            failing: self.failing.clone(),
+        }
     }
 
     pub fn health(&self) -> Arc<Health> {
@@ -163,7 +190,8 @@ impl Reconciler {
         Readiness {
             conn: self.conn.clone(),
             keys: self.keys.clone(),
-            needs_group: false,
+            consumer: None,
+            failing: self.failing.clone(),
         }
     }
 
@@ -354,43 +382,68 @@ impl Reconciler {
         Ok((next, scanned, removed))
     }
 
-    /// Sweeps one live server's reverse set completely.
-    pub async fn sweep_reverse(&self, server: &ServerId, pause: Duration) -> Result<(u64, u64)> {
+    /// One step of the reverse sweep of `server`'s set from `cursor`.
+    /// Returns (next cursor, members scanned, members removed).
+    async fn sweep_reverse_step(
+        &self,
+        server: &ServerId,
+        cursor: &str,
+    ) -> Result<(String, u64, u64)> {
+        let mut call = SWEEP_REVERSE.prepare_invoke();
+        call.key(self.keys.server_users(server))
+            .key(self.keys.registry())
+            .key(self.keys.server_moved(server))
+            .arg(server.as_str())
+            .arg(cursor)
+            .arg(self.settings.sweep_count)
+            .arg(self.layout())
+            .arg(self.keys.user_key_prefix())
+            .arg(self.settings.heartbeat_grace_ms);
+        Ok(call.invoke_async(&mut self.conn.clone()).await?)
+    }
+
+    /// Sweeps one live server's reverse set completely, `pause` between steps. Each step
+    /// is retried through transient states; [`Error::Cancelled`] as soon as `stop` fires.
+    pub async fn sweep_reverse(
+        &self,
+        server: &ServerId,
+        pause: Duration,
+        stop: &CancellationToken,
+    ) -> Result<(u64, u64)> {
         let (mut cursor, mut scanned, mut removed) = ("0".to_owned(), 0, 0);
+        let watch = self.watch();
         loop {
-            let mut call = SWEEP_REVERSE.prepare_invoke();
-            call.key(self.keys.server_users(server))
-                .key(self.keys.registry())
-                .key(self.keys.server_moved(server))
-                .arg(server.as_str())
-                .arg(&cursor)
-                .arg(self.settings.sweep_count)
-                .arg(self.layout())
-                .arg(self.keys.user_key_prefix())
-                .arg(self.settings.heartbeat_grace_ms);
-            let (next, n, r): (String, u64, u64) =
-                call.invoke_async(&mut self.conn.clone()).await?;
+            let (next, n, r) = watch
+                .retrying("reverse-index sweep", stop, || {
+                    self.sweep_reverse_step(server, &cursor)
+                })
+                .await?;
             scanned += n;
             removed += r;
             self.metrics.drift_members_removed.inc_by(r);
+            self.health.beat();
             if next == "0" {
                 return Ok((scanned, removed));
             }
             cursor = next;
-            tokio::time::sleep(pause).await;
+            pause_or_stop(pause, stop).await?;
         }
     }
 
     /// One complete sweep: the forward registry from the start, then every live server's
-    /// reverse set. Paced by `sweep_pause_ms` between steps.
-    pub async fn sweep(&self, pause: Duration) -> Result<SweepReport> {
+    /// reverse set. Paced by `pause` between steps; each step is retried through
+    /// transient states; [`Error::Cancelled`] as soon as `stop` fires.
+    pub async fn sweep(&self, pause: Duration, stop: &CancellationToken) -> Result<SweepReport> {
         let mut report = SweepReport::default();
         if self.conn.is_cluster() {
-            return self.sweep_on_cluster(pause).await;
+            return self.sweep_on_cluster(pause, stop).await;
         }
+        let watch = self.watch();
         let mut cursor = "0".to_owned();
         loop {
-            let (next, scanned, removed) = self.sweep_step(Some(&cursor)).await?;
+            let (next, scanned, removed) = watch
+                .retrying("drift sweep", stop, || self.sweep_step(Some(&cursor)))
+                .await?;
             report.steps += 1;
             report.entries_scanned += scanned;
             report.entries_removed += removed;
@@ -399,9 +452,9 @@ impl Reconciler {
                 break;
             }
             cursor = next;
-            tokio::time::sleep(pause).await;
+            pause_or_stop(pause, stop).await?;
         }
-        self.sweep_reverse_sets(pause, &mut report).await?;
+        self.sweep_reverse_sets(pause, &mut report, stop).await?;
         Ok(report)
     }
 
@@ -410,69 +463,90 @@ impl Reconciler {
     /// (layout keys); owners checked with single-key commands; entries of dead owners
     /// deleted by the same per-slot check-and-delete as the cleanup (`check_delete.lua`).
     /// The reverse-index part of the sweep is single-node only: on a cluster its read and
-    /// its SREM cannot be one atomic step. A cycle always starts at the beginning.
-    async fn sweep_on_cluster(&self, pause: Duration) -> Result<SweepReport> {
+    /// its SREM cannot be one atomic step. A cycle always starts at the beginning. Each
+    /// step (a page read, then its check-and-deletes, both idempotent) is retried through
+    /// transient states; [`Error::Cancelled`] as soon as `stop` fires.
+    async fn sweep_on_cluster(
+        &self,
+        pause: Duration,
+        stop: &CancellationToken,
+    ) -> Result<SweepReport> {
         let mut report = SweepReport::default();
+        let watch = self.watch();
         let pattern = crate::keys::pattern_under(&self.keys.user_key_prefix());
         match self.settings.layout {
             Layout::Hash => {
                 let mut cursor = 0u64;
                 loop {
-                    let (next, flat): (u64, Vec<Vec<u8>>) = redis::cmd("HSCAN")
-                        .arg(self.keys.registry())
-                        .arg(cursor)
-                        .arg("COUNT")
-                        .arg(self.settings.sweep_count)
-                        .query_async(&mut self.conn.clone())
+                    let (next, flat): (u64, Vec<Vec<u8>>) = watch
+                        .retrying("drift sweep", stop, || async {
+                            Ok(redis::cmd("HSCAN")
+                                .arg(self.keys.registry())
+                                .arg(cursor)
+                                .arg("COUNT")
+                                .arg(self.settings.sweep_count)
+                                .query_async(&mut self.conn.clone())
+                                .await?)
+                        })
                         .await?;
                     let pairs: Vec<(Vec<u8>, Vec<u8>)> = flat
                         .chunks_exact(2)
                         .map(|p| (p[0].clone(), p[1].clone()))
                         .collect();
-                    self.remove_entries_of_dead_owners(pairs, &mut report)
+                    self.remove_entries_of_dead_owners(&pairs, &mut report, stop)
                         .await?;
                     if next == 0 {
                         return Ok(report);
                     }
                     cursor = next;
-                    tokio::time::sleep(pause).await;
+                    pause_or_stop(pause, stop).await?;
                 }
             }
             Layout::Keys => {
                 let user_prefix = self.keys.user_key_prefix().into_bytes();
-                for (host, port) in conn::cluster_masters(&self.conn).await? {
+                let masters = watch
+                    .retrying("listing the cluster's masters", stop, || {
+                        conn::cluster_masters(&self.conn)
+                    })
+                    .await?;
+                for (host, port) in masters {
                     let node = conn::shared(&conn::node_client(&self.settings, &host, port)?)?;
                     let mut cursor = 0u64;
                     loop {
-                        let (next, found) = crate::conn::scan_page(
-                            &node,
-                            cursor,
-                            &pattern,
-                            self.settings.sweep_count,
-                            Some("string"),
-                        )
-                        .await?;
-                        // One GET per key, pipelined on this node's own connection.
-                        let gets = found
-                            .iter()
-                            .map(|k| redis::cmd("GET").arg(k).to_owned())
-                            .collect();
-                        let owners: Vec<Option<Vec<u8>>> =
-                            conn::each_in_flight(&node, gets).await?;
-                        let pairs = found
-                            .iter()
-                            .zip(owners)
-                            .filter_map(|(k, o)| {
-                                Some((k.strip_prefix(user_prefix.as_slice())?.to_vec(), o?))
+                        let (next, pairs) = watch
+                            .retrying("drift sweep", stop, || async {
+                                let (next, found) = crate::conn::scan_page(
+                                    &node,
+                                    cursor,
+                                    &pattern,
+                                    self.settings.sweep_count,
+                                    Some("string"),
+                                )
+                                .await?;
+                                // One GET per key, pipelined on this node's own connection.
+                                let gets = found
+                                    .iter()
+                                    .map(|k| redis::cmd("GET").arg(k).to_owned())
+                                    .collect();
+                                let owners: Vec<Option<Vec<u8>>> =
+                                    conn::each_in_flight(&node, gets).await?;
+                                let pairs: Vec<(Vec<u8>, Vec<u8>)> = found
+                                    .iter()
+                                    .zip(owners)
+                                    .filter_map(|(k, o)| {
+                                        Some((k.strip_prefix(user_prefix.as_slice())?.to_vec(), o?))
+                                    })
+                                    .collect();
+                                Ok((next, pairs))
                             })
-                            .collect();
-                        self.remove_entries_of_dead_owners(pairs, &mut report)
+                            .await?;
+                        self.remove_entries_of_dead_owners(&pairs, &mut report, stop)
                             .await?;
                         if next == 0 {
                             break;
                         }
                         cursor = next;
-                        tokio::time::sleep(pause).await;
+                        pause_or_stop(pause, stop).await?;
                     }
                 }
                 Ok(report)
@@ -481,22 +555,38 @@ impl Reconciler {
     }
 
     /// Of (user, owner) pairs read by a sweep step, deletes (atomically re-checked) the
-    /// entries whose owner is dead now.
+    /// entries whose owner is dead now; retried through transient states (idempotent).
     async fn remove_entries_of_dead_owners(
         &self,
-        pairs: Vec<(Vec<u8>, Vec<u8>)>,
+        pairs: &[(Vec<u8>, Vec<u8>)],
         report: &mut SweepReport,
+        stop: &CancellationToken,
     ) -> Result<()> {
+        let removed = self
+            .watch()
+            .retrying("drift sweep", stop, || {
+                self.entries_of_dead_owners_removed(pairs)
+            })
+            .await?;
         report.steps += 1;
         report.entries_scanned += pairs.len() as u64;
+        report.entries_removed += removed;
+        self.metrics.drift_entries_removed.inc_by(removed);
+        self.health.beat();
+        Ok(())
+    }
+
+    /// One attempt of [`Reconciler::remove_entries_of_dead_owners`]; returns how many
+    /// entries it deleted.
+    async fn entries_of_dead_owners_removed(&self, pairs: &[(Vec<u8>, Vec<u8>)]) -> Result<u64> {
         let mut by_owner: std::collections::BTreeMap<ServerId, Vec<Vec<u8>>> = Default::default();
         for (user, owner) in pairs {
             // An owner that is not a valid server id never goes into a key name.
-            if let Some(owner) = std::str::from_utf8(&owner)
+            if let Some(owner) = std::str::from_utf8(owner)
                 .ok()
                 .and_then(|o| ServerId::parse(o).ok())
             {
-                by_owner.entry(owner).or_default().push(user);
+                by_owner.entry(owner).or_default().push(user.clone());
             }
         }
         let owners: Vec<&ServerId> = by_owner.keys().collect();
@@ -521,22 +611,34 @@ impl Reconciler {
         let scores: Vec<Option<f64>> = conn::each_in_flight(&self.conn, scores).await?;
         let cutoff = self.cutoff_ms();
         let cleaner = crate::cleanup::Cleaner::new(self.keys.clone(), self.settings.layout, 1, 1);
+        let mut removed = 0;
         for ((owner, users), (has_key, score)) in by_owner.iter().zip(alive.into_iter().zip(scores))
         {
             let dead = !has_key && score.is_none_or(|s| s as u64 <= cutoff);
             if dead {
-                let (removed, _) = cleaner.check_delete(&self.conn, owner, users).await?;
-                report.entries_removed += removed;
-                self.metrics.drift_entries_removed.inc_by(removed);
+                let (n, _) = cleaner.check_delete(&self.conn, owner, users).await?;
+                removed += n;
             }
         }
-        self.health.beat();
-        Ok(())
+        Ok(removed)
     }
 
-    async fn sweep_reverse_sets(&self, pause: Duration, report: &mut SweepReport) -> Result<()> {
-        for server in self.live_servers().await? {
-            let (scanned, removed) = self.sweep_reverse(&server, pause).await?;
+    async fn sweep_reverse_sets(
+        &self,
+        pause: Duration,
+        report: &mut SweepReport,
+        stop: &CancellationToken,
+    ) -> Result<()> {
+        let live = self
+            .watch()
+            .retrying("listing live servers", stop, || self.live_servers())
+            .await?;
+        debug!(
+            live_servers = live.len(),
+            "sweeping the reverse sets of live servers"
+        );
+        for server in live {
+            let (scanned, removed) = self.sweep_reverse(&server, pause, stop).await?;
             report.live_servers += 1;
             report.members_scanned += scanned;
             report.members_removed += removed;
@@ -545,11 +647,20 @@ impl Reconciler {
         Ok(())
     }
 
-    /// `reconcile --once`: one pass and one complete sweep.
+    /// `reconcile --once`: one pass and one complete sweep, each step retried through
+    /// transient states, until done.
     pub async fn run_once(&self) -> Result<OnceReport> {
-        let pass = self.pass().await?;
+        self.run_once_until(&CancellationToken::new()).await
+    }
+
+    /// [`Reconciler::run_once`], stopped with [`Error::Cancelled`] when `stop` fires.
+    pub async fn run_once_until(&self, stop: &CancellationToken) -> Result<OnceReport> {
+        let pass = self
+            .watch()
+            .retrying("reconcile pass", stop, || self.pass())
+            .await?;
         let sweep = self
-            .sweep(Duration::from_millis(self.settings.sweep_pause_ms))
+            .sweep(Duration::from_millis(self.settings.sweep_pause_ms), stop)
             .await?;
         Ok(OnceReport { pass, sweep })
     }
@@ -568,13 +679,10 @@ impl Reconciler {
         let interval = Duration::from_millis(this.settings.reconcile_interval_ms);
         loop {
             this.health.beat();
-            match retrying_counted(
-                "reconcile pass",
-                &shutdown,
-                Some(&this.metrics.redis_errors),
-                || this.pass(),
-            )
-            .await
+            match this
+                .watch()
+                .retrying("reconcile pass", &shutdown, || this.pass())
+                .await
             {
                 Ok(r) if r.published > 0 || r.invalid > 0 => info!(?r, "reconcile pass"),
                 Ok(r) => debug!(?r, "reconcile pass"),
@@ -601,9 +709,10 @@ impl Reconciler {
             // On a cluster: one complete cycle per interval (see `sweep_on_cluster`).
             loop {
                 self.health.beat();
-                match self.sweep(pause).await {
+                match self.sweep(pause, &shutdown).await {
                     Ok(r) if r.entries_removed > 0 => info!(?r, "drift sweep cycle done"),
                     Ok(r) => debug!(?r, "drift sweep cycle done"),
+                    Err(Error::Cancelled) => return,
                     Err(e) => warn!(error = %e, "drift sweep failed; next cycle in an interval"),
                 }
                 tokio::select! {
@@ -615,13 +724,10 @@ impl Reconciler {
         let mut cycle = SweepReport::default();
         loop {
             self.health.beat();
-            let step = retrying_counted(
-                "drift sweep",
-                &shutdown,
-                Some(&self.metrics.redis_errors),
-                || self.sweep_step(None),
-            )
-            .await;
+            let step = self
+                .watch()
+                .retrying("drift sweep", &shutdown, || self.sweep_step(None))
+                .await;
             let wait = match step {
                 Err(Error::Cancelled) => return,
                 Err(e) => {
@@ -635,8 +741,10 @@ impl Reconciler {
                     if next != "0" {
                         pause
                     } else {
-                        if let Err(e) = self.sweep_reverse_sets(pause, &mut cycle).await {
-                            warn!(error = %e, "reverse-index sweep failed");
+                        match self.sweep_reverse_sets(pause, &mut cycle, &shutdown).await {
+                            Ok(()) => {}
+                            Err(Error::Cancelled) => return,
+                            Err(e) => warn!(error = %e, "reverse-index sweep failed"),
                         }
                         if cycle.entries_removed + cycle.members_removed > 0 {
                             info!(?cycle, "drift sweep cycle done");
@@ -659,7 +767,6 @@ impl Reconciler {
     /// or on every master of a cluster (notifications are per node).
     async fn hint_loop(self: Arc<Self>, shutdown: CancellationToken) {
         if let Some(client) = self.client.clone() {
-            self.ensure_notifications(&self.conn).await;
             let db = client.get_connection_info().redis_settings().db();
             return self.subscribe_hints(client, db, shutdown).await;
         }
@@ -684,9 +791,6 @@ impl Reconciler {
                                 continue;
                             }
                         };
-                        if let Ok(node) = conn::shared(&client) {
-                            self.ensure_notifications(&node).await;
-                        }
                         tokio::spawn(self.clone().subscribe_hints(
                             client,
                             0,
@@ -734,6 +838,11 @@ impl Reconciler {
                 Ok(p) => {
                     backoff = backon::BackoffBuilder::build(policy());
                     info!(%channel, "listening for liveness-key expiries");
+                    // Checked on every (re)subscription, not once at start: Redis may have
+                    // been down or busy then, and a restart forgets a CONFIG SET.
+                    if let Ok(node) = conn::shared(&client) {
+                        self.ensure_notifications(&node).await;
+                    }
                     p.into_on_message()
                 }
                 Err(e) => {
@@ -746,10 +855,13 @@ impl Reconciler {
                 }
             };
             // Hints may have been lost while not subscribed.
-            let catch_up = self.clone();
+            let (catch_up, stop) = (self.clone(), shutdown.clone());
             tokio::spawn(async move {
-                if let Err(e) = catch_up.pass().await {
-                    debug!(error = %e, "catch-up pass failed");
+                tokio::select! {
+                    r = catch_up.pass() => if let Err(e) = r {
+                        debug!(error = %e, "catch-up pass failed");
+                    },
+                    _ = stop.cancelled() => {}
                 }
             });
             loop {
@@ -767,18 +879,45 @@ impl Reconciler {
                     .and_then(|s| ServerId::parse(s).ok())
                 {
                     self.metrics.expiry_hints.inc();
-                    tokio::spawn(self.clone().on_expiry(server));
+                    self.clone().spawn_hint_check(server, &shutdown);
                 }
             }
             warn!("expiry notification subscription lost; subscribing again");
         }
     }
 
+    /// Starts [`Reconciler::on_expiry`] for `server`, unless it is being checked already
+    /// or [`HINT_CHECKS`] checks are under way: then the hint is dropped, and the server
+    /// is found by the pass, as when a notification is lost.
+    fn spawn_hint_check(self: Arc<Self>, server: ServerId, stop: &CancellationToken) {
+        let Ok(permit) = self.hint_permits.clone().try_acquire_owned() else {
+            debug!(server_id = %server, limit = HINT_CHECKS, "too many expiry hints being checked; this one is left to the pass");
+            return;
+        };
+        if !self
+            .hinted
+            .lock()
+            .expect("not poisoned")
+            .insert(server.clone())
+        {
+            return;
+        }
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = self.on_expiry(&server) => {}
+                _ = stop.cancelled() => {}
+            }
+            self.hinted.lock().expect("not poisoned").remove(&server);
+            drop(permit);
+        });
+    }
+
     /// Checks a server whose liveness key just expired; if its heartbeat is still within
     /// the grace period, checks again when the grace period ends.
-    async fn on_expiry(self: Arc<Self>, server: ServerId) {
+    async fn on_expiry(&self, server: &ServerId) {
         for _ in 0..2 {
-            match self.check(&server).await {
+            match self.check(server).await {
                 Ok(Verdict::TooRecent { heartbeat_ms }) => {
                     let due = heartbeat_ms + self.settings.heartbeat_grace_ms + 50;
                     tokio::time::sleep(Duration::from_millis(due.saturating_sub(crate::now_ms())))
@@ -835,6 +974,14 @@ impl Reconciler {
             Ok(()) => info!(flags = %wanted, "turned on keyspace expiry notifications"),
             Err(e) => warn!(error = %e, "could not turn on keyspace expiry notifications"),
         }
+    }
+}
+
+/// Waits `pause`, or returns [`Error::Cancelled`] at once when `stop` fires.
+async fn pause_or_stop(pause: Duration, stop: &CancellationToken) -> Result<()> {
+    tokio::select! {
+        _ = tokio::time::sleep(pause) => Ok(()),
+        _ = stop.cancelled() => Err(Error::Cancelled),
     }
 }
 

@@ -1,17 +1,28 @@
-//! Retrying Redis work through outages: capped exponential backoff with jitter, every
-//! wait cancellable, and one log line per change of state (failing, recovered) rather
-//! than one per attempt.
+//! Retrying Redis work through outages and transient states: capped exponential backoff
+//! with jitter, every wait cancellable, and one log line per change of state (failing,
+//! recovered) rather than one per attempt.
+//!
+//! What is worth retrying is decided in one place, [`crate::error::redis_error_is_retryable`].
+//! [`Watch`] ties a retry to its process: each failed attempt counts in
+//! `registry_janitor_redis_errors_total`, beats the liveness (a loop that waits out BUSY
+//! or OOM is turning, not stuck: `/healthz` stays 200), and marks the work as failing in
+//! [`Failing`], which `/readyz` reads (503 while anything is failing).
 
 use std::{
+    collections::BTreeMap,
     future::Future,
-    sync::atomic::{AtomicBool, Ordering},
+    sync::{Arc, Mutex},
     time::Duration,
 };
 
-use backon::{ExponentialBuilder, Retryable};
+use backon::{BackoffBuilder, ExponentialBuilder};
 use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
 
-use crate::error::{Error, Result};
+use crate::{
+    error::{Error, Result},
+    http::Health,
+};
 
 /// The backoff used everywhere: 50 ms doubling to at most 5 s, with jitter, forever
 /// (until the work succeeds, fails for good or is cancelled).
@@ -31,7 +42,7 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T>>,
 {
-    retrying_counted(what, token, None, op).await
+    retry(what, token, None, None, None, op).await
 }
 
 /// [`retrying`], counting every failed attempt in `errors`.
@@ -45,25 +56,255 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T>>,
 {
-    let failing = AtomicBool::new(false);
-    let attempt = op
-        .retry(policy())
-        .sleep(tokio::time::sleep)
-        .when(Error::is_retryable)
-        .notify(|e, wait| {
-            if let Some(errors) = errors {
-                errors.inc();
-            }
-            if !failing.swap(true, Ordering::Relaxed) {
-                tracing::warn!(error = %e, retry_in = ?wait, "{what} failing, retrying with backoff");
-            }
-        });
-    let result = tokio::select! {
-        r = attempt => r,
-        _ = token.cancelled() => Err(Error::Cancelled),
-    };
-    if failing.load(Ordering::Relaxed) && result.is_ok() {
-        tracing::info!("{what} recovered");
+    retry(what, token, errors, None, None, op).await
+}
+
+/// What one process's retries report to: its error counter, its liveness and its list
+/// of failing work. Cheap to clone.
+#[derive(Clone)]
+pub struct Watch {
+    pub errors: prometheus::IntCounter,
+    pub health: Arc<Health>,
+    pub failing: Arc<Failing>,
+}
+
+impl Watch {
+    /// [`retrying`], reported to this process's metrics, liveness and readiness.
+    pub async fn retrying<T, F, Fut>(
+        &self,
+        what: &str,
+        token: &CancellationToken,
+        op: F,
+    ) -> Result<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T>>,
+    {
+        retry(
+            what,
+            token,
+            Some(&self.errors),
+            Some(&self.health),
+            Some(&self.failing),
+            op,
+        )
+        .await
     }
-    result
+
+    /// A failing episode of `what` reported to this process's readiness.
+    pub fn episode<'a>(&'a self, what: &'a str) -> Episode<'a> {
+        Episode::new(what, Some(&self.failing))
+    }
+}
+
+async fn retry<T, F, Fut>(
+    what: &str,
+    token: &CancellationToken,
+    errors: Option<&prometheus::IntCounter>,
+    health: Option<&Health>,
+    failing: Option<&Failing>,
+    mut op: F,
+) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T>>,
+{
+    let mut backoff = policy().build();
+    let mut episode = Episode::new(what, failing);
+    loop {
+        let attempt = tokio::select! {
+            r = op() => r,
+            _ = token.cancelled() => return Err(Error::Cancelled),
+        };
+        let e = match attempt {
+            Ok(v) => {
+                episode.recovered();
+                return Ok(v);
+            }
+            Err(e) if e.is_retryable() => e,
+            Err(e) => return Err(e),
+        };
+        if let Some(errors) = errors {
+            errors.inc();
+        }
+        if let Some(health) = health {
+            health.beat();
+        }
+        let wait = backoff.next().unwrap_or(Duration::from_secs(5));
+        episode.failed(&e, wait);
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = token.cancelled() => return Err(Error::Cancelled),
+        }
+    }
+}
+
+/// The work of one process that is failing right now on a transient error, with the
+/// last error of each: `/readyz` answers 503 while anything is. Keyed by what the work
+/// is ("reading events", "reconcile pass"); several tasks doing the same work count
+/// separately, so the work recovers when the last of them does.
+#[derive(Debug, Default)]
+pub struct Failing {
+    now: Mutex<BTreeMap<String, (usize, String)>>,
+}
+
+impl Failing {
+    pub fn new() -> Arc<Self> {
+        Arc::default()
+    }
+
+    /// One more task of `what` is failing; true if `what` was not failing before.
+    fn start(&self, what: &str, error: String) -> bool {
+        let mut now = self.now.lock().expect("not poisoned");
+        let entry = now.entry(what.to_owned()).or_insert((0, String::new()));
+        entry.0 += 1;
+        entry.1 = error;
+        entry.0 == 1
+    }
+
+    fn update(&self, what: &str, error: String) {
+        if let Some(entry) = self.now.lock().expect("not poisoned").get_mut(what) {
+            entry.1 = error;
+        }
+    }
+
+    /// One task of `what` stopped failing; true if no task of `what` fails any more.
+    fn end(&self, what: &str) -> bool {
+        let mut now = self.now.lock().expect("not poisoned");
+        match now.get_mut(what) {
+            Some(entry) if entry.0 > 1 => {
+                entry.0 -= 1;
+                false
+            }
+            Some(_) => {
+                now.remove(what);
+                true
+            }
+            None => true,
+        }
+    }
+
+    /// Something failing now and its last error, if anything is.
+    pub fn any(&self) -> Option<(String, String)> {
+        let now = self.now.lock().expect("not poisoned");
+        now.iter().next().map(|(w, (_, e))| (w.clone(), e.clone()))
+    }
+}
+
+/// One task's run of failures of `what`: logs once when it starts failing and once when
+/// it recovers; while it fails, `what` is listed in [`Failing`] (if given). Dropped while
+/// failing (cancelled, or ended by an error that is not retryable), it leaves the list
+/// without a "recovered" line.
+pub struct Episode<'a> {
+    what: &'a str,
+    failing: bool,
+    shared: Option<&'a Failing>,
+}
+
+impl<'a> Episode<'a> {
+    pub fn new(what: &'a str, shared: Option<&'a Failing>) -> Self {
+        Episode {
+            what,
+            failing: false,
+            shared,
+        }
+    }
+
+    /// An attempt failed with a transient error; the next one is in `retry_in`.
+    pub fn failed(&mut self, error: &Error, retry_in: Duration) {
+        if self.failing {
+            if let Some(shared) = self.shared {
+                shared.update(self.what, error.to_string());
+            }
+            return;
+        }
+        self.failing = true;
+        let first = self
+            .shared
+            .is_none_or(|s| s.start(self.what, error.to_string()));
+        if first {
+            let what = self.what;
+            warn!(error = %error, ?retry_in, "{what} failing, retrying with backoff");
+        }
+    }
+
+    /// An attempt succeeded.
+    pub fn recovered(&mut self) {
+        if !std::mem::take(&mut self.failing) {
+            return;
+        }
+        if self.shared.is_none_or(|s| s.end(self.what)) {
+            let what = self.what;
+            info!("{what} recovered");
+        }
+    }
+}
+
+impl Drop for Episode<'_> {
+    fn drop(&mut self) {
+        if self.failing {
+            if let Some(shared) = self.shared {
+                shared.end(self.what);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn busy() -> Error {
+        Error::Redis(
+            redis::parse_redis_value(b"-BUSY Redis is busy running a script.\r\n")
+                .unwrap()
+                .extract_error()
+                .unwrap_err(),
+        )
+    }
+
+    /// Two tasks failing at the same work: listed until the last recovers.
+    #[test]
+    fn work_is_failing_until_its_last_task_recovers() {
+        let failing = Failing::default();
+        let mut a = Episode::new("acknowledging", Some(&failing));
+        let mut b = Episode::new("acknowledging", Some(&failing));
+        a.failed(&busy(), Duration::ZERO);
+        b.failed(&busy(), Duration::ZERO);
+        a.failed(&busy(), Duration::ZERO);
+        assert_eq!(failing.any().unwrap().0, "acknowledging");
+        a.recovered();
+        assert!(failing.any().is_some());
+        drop(b);
+        assert_eq!(failing.any(), None);
+    }
+
+    #[tokio::test]
+    async fn a_retry_waits_out_transient_errors_and_reports_them() {
+        let watch = Watch {
+            errors: prometheus::IntCounter::new("e", "e").unwrap(),
+            health: Health::new(Duration::from_secs(60)),
+            failing: Failing::new(),
+        };
+        let token = CancellationToken::new();
+        let mut attempts = 0;
+        let seen = watch.failing.clone();
+        let done = watch
+            .retrying("work", &token, || {
+                attempts += 1;
+                let (n, listed) = (attempts, seen.any().is_some());
+                async move {
+                    assert_eq!(listed, n > 1, "listed as failing from the first failure on");
+                    if n < 4 {
+                        Err(busy())
+                    } else {
+                        Ok(n)
+                    }
+                }
+            })
+            .await;
+        assert_eq!(done.unwrap(), 4);
+        assert_eq!(watch.errors.get(), 3);
+        assert_eq!(watch.failing.any(), None);
+    }
 }

@@ -42,7 +42,7 @@ use crate::{
     keys::Keys,
     maintenance,
     metrics::{outcome, Metrics},
-    retry::{policy, retrying, retrying_counted},
+    retry::{policy, Failing, Watch},
     stream,
 };
 
@@ -58,6 +58,8 @@ pub struct Worker {
     metrics: Metrics,
     /// Beaten by the read loop; read by `/healthz`.
     health: Arc<Health>,
+    /// Work failing on a transient Redis state right now; read by `/readyz`.
+    failing: Arc<Failing>,
 }
 
 impl Worker {
@@ -75,6 +77,7 @@ impl Worker {
             )
             .counting_errors(metrics.redis_errors.clone()),
             health: Health::new(Duration::from_secs(60)),
+            failing: Failing::new(),
             keys,
             consumer: settings.consumer_name(),
             conn: conn::shared_for(&target).await?,
@@ -98,7 +101,17 @@ impl Worker {
         Readiness {
             conn: self.conn.clone(),
             keys: self.keys.clone(),
-            needs_group: true,
+            consumer: Some(self.consumer.clone()),
+            failing: self.failing.clone(),
+        }
+    }
+
+    /// Where retries report: the error counter, the liveness, the readiness.
+    fn watch(&self) -> Watch {
+        Watch {
+            errors: self.metrics.redis_errors.clone(),
+            health: self.health.clone(),
+            failing: self.failing.clone(),
         }
     }
 
@@ -116,19 +129,25 @@ impl Worker {
             "worker starting"
         );
 
-        match retrying("creating the consumer group", &shutdown, || {
-            stream::join_group(&this.conn, &this.keys, &this.consumer)
-        })
-        .await
+        // Retried through every transient state (BUSY, OOM, NOREPLICAS, a refused
+        // connection...): a deployment whose workers all start in one must not crash-loop.
+        match this
+            .watch()
+            .retrying("creating the consumer group", &shutdown, || {
+                stream::join_group(&this.conn, &this.keys, &this.consumer)
+            })
+            .await
         {
             Err(Error::Cancelled) => return Ok(()),
             other => other?,
         }
 
-        match retrying("checking INFO", &shutdown, || {
-            crate::cleanup::check_walkable(&this.conn)
-        })
-        .await
+        match this
+            .watch()
+            .retrying("checking INFO", &shutdown, || {
+                crate::cleanup::check_walkable(&this.conn)
+            })
+            .await
         {
             Err(Error::Cancelled) => return Ok(()),
             other => other?,
@@ -162,9 +181,18 @@ impl Worker {
         abandon: &CancellationToken,
     ) -> Result<()> {
         let block = Duration::from_millis(self.settings.block_ms);
-        let reader = conn::blocking_for(&self.target, block).await?;
+        let watch = self.watch();
+        let reader = match watch
+            .retrying("connecting the reader", shutdown, || {
+                conn::blocking_for(&self.target, block)
+            })
+            .await
+        {
+            Err(Error::Cancelled) => return Ok(()),
+            other => other?,
+        };
         let mut backoff = policy().build();
-        let mut failing = false;
+        let mut reading = watch.episode("reading events");
         // Takeover runs in this loop, between reads, with the permits in hand: a separate
         // loop would starve, as the read holds every free permit while it blocks.
         let claim_every =
@@ -219,18 +247,17 @@ impl Worker {
             .await;
             let entries = match read {
                 Ok(entries) => {
-                    if std::mem::take(&mut failing) {
-                        info!("reading events recovered");
-                    }
+                    reading.recovered();
                     backoff = policy().build();
                     entries
                 }
                 Err(e) if stream::is_no_group(&e) => {
                     warn!("the events stream or its group is gone; creating it again");
-                    match retrying("creating the consumer group", shutdown, || {
-                        stream::join_group(&self.conn, &self.keys, &self.consumer)
-                    })
-                    .await
+                    match watch
+                        .retrying("creating the consumer group", shutdown, || {
+                            stream::join_group(&self.conn, &self.keys, &self.consumer)
+                        })
+                        .await
                     {
                         Err(Error::Cancelled) => return Ok(()),
                         other => other?,
@@ -239,10 +266,8 @@ impl Worker {
                 }
                 Err(e) if e.is_retryable() => {
                     self.metrics.redis_errors.inc();
-                    if !std::mem::replace(&mut failing, true) {
-                        warn!(error = %e, "reading events failing, retrying with backoff");
-                    }
                     let wait = backoff.next().unwrap_or(Duration::from_secs(5));
+                    reading.failed(&e, wait);
                     tokio::select! {
                         _ = tokio::time::sleep(wait) => continue,
                         _ = shutdown.cancelled() => return Ok(()),
@@ -267,19 +292,15 @@ impl Worker {
         shutdown: &CancellationToken,
         abandon: &CancellationToken,
     ) -> Result<Vec<OwnedSemaphorePermit>> {
+        let watch = self.watch();
         // Re-registers this worker if consumer expiry removed it while it sat idle.
-        retrying_counted(
-            "registering the consumer",
-            shutdown,
-            Some(&self.metrics.redis_errors),
-            || stream::register_consumer(&self.conn, &self.keys, &self.consumer),
-        )
-        .await?;
-        let claimed = retrying_counted(
-            "taking over idle entries",
-            shutdown,
-            Some(&self.metrics.redis_errors),
-            || {
+        watch
+            .retrying("registering the consumer", shutdown, || {
+                stream::register_consumer(&self.conn, &self.keys, &self.consumer)
+            })
+            .await?;
+        let claimed = watch
+            .retrying("taking over idle entries", shutdown, || {
                 stream::autoclaim(
                     &self.conn,
                     &self.keys,
@@ -288,9 +309,8 @@ impl Worker {
                     cursor,
                     held.len(),
                 )
-            },
-        )
-        .await?;
+            })
+            .await?;
         *cursor = claimed.next_cursor;
         if claimed.deleted > 0 {
             self.metrics.entries_vanished.inc_by(claimed.deleted as u64);
@@ -482,13 +502,12 @@ impl Worker {
 
     /// Acknowledges, retrying through outages; false if abandoned first.
     async fn ack(&self, id: &str, abandon: &CancellationToken) -> bool {
-        match retrying_counted(
-            "acknowledging",
-            abandon,
-            Some(&self.metrics.redis_errors),
-            || stream::ack(&self.conn, &self.keys, id),
-        )
-        .await
+        match self
+            .watch()
+            .retrying("acknowledging", abandon, || {
+                stream::ack(&self.conn, &self.keys, id)
+            })
+            .await
         {
             Ok(_) => true,
             Err(e) => {
@@ -499,13 +518,12 @@ impl Worker {
     }
 
     async fn dead_letter(&self, entry: &Entry, reason: &str, abandon: &CancellationToken) {
-        let done = retrying_counted(
-            "dead-lettering",
-            abandon,
-            Some(&self.metrics.redis_errors),
-            || stream::dead_letter(&self.conn, &self.keys, entry, reason),
-        )
-        .await;
+        let done = self
+            .watch()
+            .retrying("dead-lettering", abandon, || {
+                stream::dead_letter(&self.conn, &self.keys, entry, reason)
+            })
+            .await;
         match done {
             Ok(()) => {
                 self.metrics

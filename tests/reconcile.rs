@@ -161,6 +161,42 @@ async fn the_reconciler_may_turn_notifications_on_itself() {
     worker.stop().await;
 }
 
+/// Redis down when the reconciler starts, then restarted (which forgets a CONFIG SET):
+/// notifications are turned on when it comes back, and hints work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notifications_are_turned_on_when_redis_comes_back() {
+    let mut f = Fixture::with(Layout::Hash, |s| {
+        s.reconcile_interval_ms = 120_000;
+        s.heartbeat_grace_ms = 200;
+        s.keyspace_events_auto = true;
+    });
+    f.redis.kill();
+    let reconciler = RunningReconciler::start(&f.settings);
+    tokio::time::sleep(Duration::from_millis(500)).await; // it starts while Redis is down
+    f.redis.restart().unwrap();
+    wait_until(
+        &f.redis,
+        "notify-keyspace-events turned on",
+        Duration::from_secs(20),
+        || async {
+            let v: redis::RedisResult<Vec<String>> = redis::cmd("CONFIG")
+                .arg("GET")
+                .arg("notify-keyspace-events")
+                .query_async(&mut f.conn.clone())
+                .await;
+            v.is_ok_and(|v| v[1].contains('E') && v[1].contains('x'))
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await; // let the subscription settle
+    let crashed = crashing_server(&f, "gw-crash#4", 500, 300).await;
+    let worker = spawn_worker(&f.settings);
+    wait_clean(&f, &crashed, 500, Duration::from_secs(20)).await;
+    assert!(reconciler.metrics.expiry_hints.get() >= 1);
+    reconciler.stop().await;
+    worker.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_with_an_old_heartbeat_and_no_key_is_declared_dead_and_a_live_one_never() {
     let f = Fixture::with(Layout::Hash, |s| s.heartbeat_grace_ms = 30_000);
@@ -402,4 +438,61 @@ async fn reconcile_once_from_the_command_line() {
         events(&f).await,
         vec![("gw-long-dead#1".to_owned(), Some("reconciler".to_owned()))]
     );
+}
+
+/// SIGTERM in the middle of a slow sweep (a big reverse set, small steps, long pauses):
+/// the reconciler exits 0 within a second or so, not after the sweep.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reconciler_stops_on_sigterm_mid_sweep() {
+    let f = Fixture::new(Layout::Hash);
+    // A live server with a big reverse set: its sweep takes 500 steps of 10 members,
+    // two seconds apart.
+    let live = server("gw-live#1");
+    f.registry.heartbeat(&f.conn, &live, 600_000).await.unwrap();
+    for chunk in (0..5_000).collect::<Vec<_>>().chunks(1000) {
+        let members: Vec<Vec<u8>> = chunk.iter().map(|&n| user(&live, n)).collect();
+        f.query::<()>(
+            redis::cmd("SADD")
+                .arg(f.keys.server_users(&live))
+                .arg(members),
+        )
+        .await;
+    }
+    let reconciler = WorkerProcess::start_command(
+        &f.settings,
+        &[
+            ("JANITOR_SWEEP_COUNT", "10"),
+            ("JANITOR_SWEEP_PAUSE_MS", "2000"),
+            ("RUST_LOG", "registry_janitor=debug"),
+        ],
+        &["reconcile"],
+    );
+    wait_until(
+        &f.redis,
+        "the reverse-set sweep to be under way",
+        Duration::from_secs(20),
+        || {
+            let started = reconciler
+                .log()
+                .contains("sweeping the reverse sets of live servers");
+            async move { started }
+        },
+    )
+    .await;
+    // Into the first pause between two steps (not an assertion: where the signal lands).
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    reconciler.signal("TERM");
+    let sent = Instant::now();
+    let (status, log) = reconciler.wait(Duration::from_secs(10));
+    let took = sent.elapsed();
+    eprintln!("stopped {took:?} after SIGTERM");
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "exit status {status:?} after {took:?}\n{log}"
+    );
+    assert!(
+        took < Duration::from_secs(3),
+        "took {took:?} to stop after SIGTERM\n{log}"
+    );
+    assert!(log.contains("reconciler stopped"), "{log}");
 }

@@ -334,10 +334,16 @@ impl WorkerProcess {
 
     /// A worker with extra `JANITOR_*` variables on top of `settings`.
     pub fn start_with(settings: &Settings, env: &[(&str, &str)]) -> Self {
+        Self::start_command(settings, env, &["worker"])
+    }
+
+    /// `registry-janitor <args>` (for example `reconcile`), with extra `JANITOR_*`
+    /// variables on top of `settings`.
+    pub fn start_command(settings: &Settings, env: &[(&str, &str)], args: &[&str]) -> Self {
         let log = tempfile::NamedTempFile::new().unwrap();
         let child = janitor(settings)
             .envs(env.iter().copied())
-            .arg("worker")
+            .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log.reopen().unwrap())
