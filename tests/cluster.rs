@@ -468,57 +468,10 @@ async fn registrations_during_the_walk_are_cleaned_on_a_cluster() {
     seed(&f.registry, &f.conn, &live, 100).await;
     let worker = spawn_worker(&f.settings);
     let id = kill(&f.conn, &f.keys, &dead).await;
-    let cleaner = registry_janitor::cleanup::Cleaner::new(f.keys.clone(), Layout::Keys, 1, 1);
-    wait_until(
-        &f.cluster.nodes[0],
-        "the walk under way",
-        Duration::from_secs(30),
-        || async {
-            cleaner
-                .progress(&f.conn, &dead)
-                .await
-                .ok()
-                .flatten()
-                .is_some_and(|n| n > 0)
-        },
-    )
-    .await;
-    let mut before_ack = Vec::new();
-    for n in 0.. {
-        let u = format!("late-{n}").into_bytes();
-        f.registry.register(&f.conn, &u, &dead).await.unwrap();
-        let pending: Vec<redis::Value> = redis::cmd("XPENDING")
-            .arg(f.keys.events())
-            .arg(registry_janitor::keys::GROUP)
-            .arg(&id)
-            .arg(&id)
-            .arg(1)
-            .query_async(&mut f.conn.clone())
-            .await
-            .unwrap();
-        if pending.is_empty() {
-            break;
-        }
-        before_ack.push(u);
-        assert!(n < 1_000_000, "the cleanup never finished");
-    }
+    wait_walked(&f.cluster.nodes[0], &f.conn, &f.keys, &dead, 1).await;
+    let before_ack = register_until_acked(&f.registry, &f.conn, &f.keys, &dead, &id).await;
     f.wait_idle(Duration::from_secs(60)).await;
-    assert!(
-        before_ack.len() >= 20,
-        "only {} registrations raced the walk: the test proves little",
-        before_ack.len()
-    );
-    let owners = f.registry.owners(&f.conn, &before_ack).await.unwrap();
-    let stale = owners
-        .iter()
-        .filter(|o| o.as_deref() == Some(dead.as_str()))
-        .count();
-    assert_eq!(
-        stale,
-        0,
-        "{stale} of {} users registered during the walk still point at the dead server",
-        before_ack.len()
-    );
+    assert_none_point_at(&f.registry, &f.conn, &before_ack, &dead, 20).await;
     assert_eq!(f.still_pointing(&dead, USERS).await, 0);
     assert_eq!(f.still_pointing(&live, 100).await, 100);
     worker.stop().await;
@@ -557,21 +510,7 @@ async fn a_takeover_after_a_failover_walks_the_set_again() {
     seed(&f.registry, &f.conn, &dead, USERS).await;
     let first = WorkerProcess::start_with(&f.settings, &[("JANITOR_REDIS_CLUSTER", "true")]);
     kill(&f.conn, &f.keys, &dead).await;
-    let cleaner = registry_janitor::cleanup::Cleaner::new(f.keys.clone(), Layout::Keys, 1, 1);
-    wait_until(
-        &f.cluster.nodes[0],
-        "the walk under way",
-        Duration::from_secs(30),
-        || async {
-            cleaner
-                .progress(&f.conn, &dead)
-                .await
-                .ok()
-                .flatten()
-                .is_some_and(|n| n >= 2_000)
-        },
-    )
-    .await;
+    wait_walked(&f.cluster.nodes[0], &f.conn, &f.keys, &dead, 2_000).await;
     first.signal("KILL");
     let (status, _) = first.wait(Duration::from_secs(10));
     assert!(status.is_some(), "the worker did not die");

@@ -10,25 +10,9 @@ use std::time::Duration;
 
 use common::*;
 use registry_janitor::{
-    cleanup::Cleaner, config::Layout, event::ServerId, keys::GROUP, metrics::Metrics,
-    reconcile::Reconciler,
+    cleanup::Cleaner, config::Layout, event::ServerId, metrics::Metrics, reconcile::Reconciler,
 };
 use tokio_util::sync::CancellationToken;
-
-/// True while the event's entry is still pending (not acknowledged).
-async fn pending(f: &Fixture, id: &str) -> bool {
-    let rows: Vec<redis::Value> = f
-        .query(
-            redis::cmd("XPENDING")
-                .arg(f.keys.events())
-                .arg(GROUP)
-                .arg(id)
-                .arg(id)
-                .arg(1),
-        )
-        .await;
-    !rows.is_empty()
-}
 
 /// Users registered on `dead` while a worker cleans it: every one whose registration
 /// finished while the event was still unacknowledged must be gone once it is acknowledged.
@@ -43,48 +27,11 @@ async fn registrations_during_the_walk(layout: Layout) {
     f.seed(&live, 100).await;
     let worker = spawn_worker(&f.settings);
     let id = f.kill(&dead).await;
-    let cleaner = Cleaner::new(f.keys.clone(), layout, 1, 1);
-    wait_until(
-        &f.redis,
-        "the walk under way",
-        Duration::from_secs(30),
-        || async {
-            cleaner
-                .progress(&f.conn, &dead)
-                .await
-                .unwrap()
-                .is_some_and(|n| n > 0)
-        },
-    )
-    .await;
+    wait_walked(&f.redis, &f.conn, &f.keys, &dead, 1).await;
     // A zombie (or a false-positive death) keeps registering users on `dead`.
-    let mut before_ack = Vec::new();
-    for n in 0.. {
-        let u = format!("late-{n}").into_bytes();
-        f.registry.register(&f.conn, &u, &dead).await.unwrap();
-        if !pending(&f, &id).await {
-            break; // this one may have raced the acknowledgement
-        }
-        before_ack.push(u);
-        assert!(n < 1_000_000, "the cleanup never finished");
-    }
+    let before_ack = register_until_acked(&f.registry, &f.conn, &f.keys, &dead, &id).await;
     f.wait_idle().await;
-    assert!(
-        before_ack.len() >= 50,
-        "only {} registrations raced the walk: the test proves little",
-        before_ack.len()
-    );
-    let owners = f.registry.owners(&f.conn, &before_ack).await.unwrap();
-    let stale = owners
-        .iter()
-        .filter(|o| o.as_deref() == Some(dead.as_str()))
-        .count();
-    assert_eq!(
-        stale,
-        0,
-        "{stale} of {} users registered during the walk still point at the dead server",
-        before_ack.len()
-    );
+    assert_none_point_at(&f.registry, &f.conn, &before_ack, &dead, 50).await;
     assert_eq!(f.still_pointing(&dead, USERS).await, 0);
     assert_eq!(f.still_pointing(&live, 100).await, 100, "live entries lost");
     worker.stop().await;

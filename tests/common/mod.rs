@@ -445,3 +445,91 @@ pub fn sample(exposition: &str, series: &str) -> Option<f64> {
                 .ok()
         })
 }
+
+/// Waits until the cleanup of `server` has walked at least `members` members.
+pub async fn wait_walked(
+    redis: &RedisServer,
+    conn: &RedisConn,
+    keys: &Keys,
+    server: &ServerId,
+    members: u64,
+) {
+    let cleaner = registry_janitor::cleanup::Cleaner::new(keys.clone(), Layout::Hash, 1, 1);
+    wait_until(
+        redis,
+        "the walk under way",
+        Duration::from_secs(30),
+        || async {
+            cleaner
+                .progress(conn, server)
+                .await
+                .ok()
+                .flatten()
+                .is_some_and(|n| n >= members)
+        },
+    )
+    .await;
+}
+
+/// True while the stream entry `id` is pending (delivered, not acknowledged).
+pub async fn is_pending(conn: &RedisConn, keys: &Keys, id: &str) -> bool {
+    let rows: Vec<redis::Value> = redis::cmd("XPENDING")
+        .arg(keys.events())
+        .arg(registry_janitor::keys::GROUP)
+        .arg(id)
+        .arg(id)
+        .arg(1)
+        .query_async(&mut conn.clone())
+        .await
+        .unwrap();
+    !rows.is_empty()
+}
+
+/// Plays a zombie `server`: registers new users on it, one by one, until the event `id`
+/// is acknowledged. Returns the users whose registration finished while `id` was still
+/// pending (the last one, which may have raced the acknowledgement, is left out).
+pub async fn register_until_acked(
+    registry: &Registry,
+    conn: &RedisConn,
+    keys: &Keys,
+    server: &ServerId,
+    id: &str,
+) -> Vec<Vec<u8>> {
+    let mut before_ack = Vec::new();
+    for n in 0.. {
+        let u = format!("late-{n}").into_bytes();
+        registry.register(conn, &u, server).await.unwrap();
+        if !is_pending(conn, keys, id).await {
+            return before_ack;
+        }
+        before_ack.push(u);
+        assert!(n < 1_000_000, "the cleanup never finished");
+    }
+    unreachable!()
+}
+
+/// Asserts that none of `users` (registered during a walk) still points at `server`.
+pub async fn assert_none_point_at(
+    registry: &Registry,
+    conn: &RedisConn,
+    users: &[Vec<u8>],
+    server: &ServerId,
+    at_least: usize,
+) {
+    assert!(
+        users.len() >= at_least,
+        "only {} registrations raced the walk: the test proves little",
+        users.len()
+    );
+    let owners = registry.owners(conn, users).await.unwrap();
+    let stale = owners
+        .iter()
+        .filter(|o| o.as_deref() == Some(server.as_str()))
+        .count();
+    assert_eq!(
+        stale,
+        0,
+        "{stale} of {} users registered during the walk still point at the dead server",
+        users.len()
+    );
+}
