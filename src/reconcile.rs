@@ -282,42 +282,53 @@ impl Reconciler {
         }
     }
 
+    /// Every member of `servers` with its score (last heartbeat), by ZSCAN. Heartbeats move
+    /// scores and cleanups remove members all the time, so paging by rank or by offset
+    /// would skip members whose place shifted between two pages; ZSCAN returns every
+    /// member present for the whole walk, whatever happens to the others (duplicates,
+    /// which ZSCAN may give, are dropped).
+    async fn known_servers(&self) -> Result<Vec<(String, f64)>> {
+        let mut seen = std::collections::BTreeMap::new();
+        let mut cursor = 0u64;
+        loop {
+            let (next, flat): (u64, Vec<(String, f64)>) = redis::cmd("ZSCAN")
+                .arg(self.keys.servers())
+                .arg(cursor)
+                .arg("COUNT")
+                .arg(PAGE)
+                .query_async(&mut self.conn.clone())
+                .await?;
+            seen.extend(flat);
+            if next == 0 {
+                return Ok(seen.into_iter().collect());
+            }
+            cursor = next;
+        }
+    }
+
     /// One pass over `servers`: checks every server whose heartbeat is older than the
     /// grace period.
     pub async fn pass(&self) -> Result<PassReport> {
         let mut report = PassReport::default();
         let cutoff = self.cutoff_ms();
-        let mut offset = 0;
-        loop {
-            let page: Vec<String> = redis::cmd("ZRANGEBYSCORE")
-                .arg(self.keys.servers())
-                .arg("-inf")
-                .arg(cutoff)
-                .arg("LIMIT")
-                .arg(offset)
-                .arg(PAGE)
-                .query_async(&mut self.conn.clone())
-                .await?;
-            let n = page.len();
-            for member in page {
-                report.candidates += 1;
-                let Ok(server) = ServerId::parse(&member) else {
-                    report.invalid += 1;
-                    warn!(member = %member.escape_debug(), "`servers` holds an invalid server id; left alone");
-                    continue;
-                };
-                match self.check(&server).await? {
-                    Verdict::Published(_) => report.published += 1,
-                    Verdict::Alive => report.alive += 1,
-                    Verdict::TooRecent { .. } => report.too_recent += 1,
-                    Verdict::AlreadyReported => report.already_reported += 1,
-                }
+        let stale = self
+            .known_servers()
+            .await?
+            .into_iter()
+            .filter(|(_, score)| *score <= cutoff as f64);
+        for (member, _) in stale {
+            report.candidates += 1;
+            let Ok(server) = ServerId::parse(&member) else {
+                report.invalid += 1;
+                warn!(member = %member.escape_debug(), "`servers` holds an invalid server id; left alone");
+                continue;
+            };
+            match self.check(&server).await? {
+                Verdict::Published(_) => report.published += 1,
+                Verdict::Alive => report.alive += 1,
+                Verdict::TooRecent { .. } => report.too_recent += 1,
+                Verdict::AlreadyReported => report.already_reported += 1,
             }
-            // Published servers stay in `servers` until cleaned: the offset stays valid.
-            if n < PAGE {
-                break;
-            }
-            offset += n;
         }
         self.metrics.reconcile_passes.inc();
         Ok(report)
@@ -327,21 +338,14 @@ impl Reconciler {
     pub async fn live_servers(&self) -> Result<Vec<ServerId>> {
         let cutoff = self.cutoff_ms();
         let mut live = Vec::new();
-        let mut start = 0;
-        loop {
-            let page: Vec<(String, f64)> = redis::cmd("ZRANGE")
-                .arg(self.keys.servers())
-                .arg(start)
-                .arg(start + PAGE - 1)
-                .arg("WITHSCORES")
-                .query_async(&mut self.conn.clone())
-                .await?;
-            let n = page.len();
-            let servers: Vec<(ServerId, f64)> = page
-                .into_iter()
-                .filter_map(|(m, score)| ServerId::parse(&m).ok().map(|s| (s, score)))
-                .collect();
-            let exists = servers
+        let servers: Vec<(ServerId, f64)> = self
+            .known_servers()
+            .await?
+            .into_iter()
+            .filter_map(|(m, score)| ServerId::parse(&m).ok().map(|s| (s, score)))
+            .collect();
+        for page in servers.chunks(PAGE) {
+            let exists = page
                 .iter()
                 .map(|(s, _)| {
                     redis::cmd("EXISTS")
@@ -350,16 +354,13 @@ impl Reconciler {
                 })
                 .collect();
             let alive: Vec<bool> = conn::each_in_flight(&self.conn, exists).await?;
-            for ((server, score), has_key) in servers.into_iter().zip(alive) {
-                if has_key || score as u64 > cutoff {
-                    live.push(server);
+            for ((server, score), has_key) in page.iter().zip(alive) {
+                if has_key || *score as u64 > cutoff {
+                    live.push(server.clone());
                 }
             }
-            if n < PAGE {
-                return Ok(live);
-            }
-            start += n;
         }
+        Ok(live)
     }
 
     /// One step of the forward sweep; `cursor` None resumes from the stored cursor.

@@ -496,3 +496,59 @@ async fn the_reconciler_stops_on_sigterm_mid_sweep() {
     );
     assert!(log.contains("reconciler stopped"), "{log}");
 }
+
+/// Servers leave `servers` while a pass walks it (their cleanups finish): the pass still
+/// checks every server that stayed. Paging by offset skipped the servers that moved up
+/// into the pages already read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pass_checks_every_server_while_others_leave() {
+    let f = Fixture::new(Layout::Hash);
+    const SERVERS: usize = 2_500;
+    let names: Vec<String> = (0..SERVERS).map(|i| format!("gw-{i:05}#1")).collect();
+    let mut pipe = redis::pipe();
+    for (i, name) in names.iter().enumerate() {
+        // Old heartbeats, oldest first: the first 1,000 are the first page of a pass.
+        pipe.zadd(f.keys.servers(), name, 1_000 + i).ignore();
+    }
+    let _: () = pipe.query_async(&mut f.conn.clone()).await.unwrap();
+    let r = Reconciler::new(&f.settings, Metrics::new()).await.unwrap();
+    let leaving: Vec<String> = names[..500].to_vec();
+    let remover = {
+        let (conn, keys) = (f.conn.clone(), f.keys.clone());
+        tokio::spawn(async move {
+            // Once the pass has published its first event (its first page is read), the
+            // 500 oldest servers leave `servers`, as finished cleanups do.
+            loop {
+                let n: u64 = redis::cmd("XLEN")
+                    .arg(keys.events())
+                    .query_async(&mut conn.clone())
+                    .await
+                    .unwrap();
+                if n > 0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            let _: u64 = redis::cmd("ZREM")
+                .arg(keys.servers())
+                .arg(&leaving)
+                .query_async(&mut conn.clone())
+                .await
+                .unwrap();
+        })
+    };
+    r.pass().await.unwrap();
+    remover.await.unwrap();
+    let reported: std::collections::HashSet<String> =
+        events(&f).await.into_iter().map(|(s, _)| s).collect();
+    let missed: Vec<&String> = names[500..]
+        .iter()
+        .filter(|n| !reported.contains(*n))
+        .collect();
+    assert!(
+        missed.is_empty(),
+        "{} servers that stayed in `servers` were never checked, e.g. {:?}",
+        missed.len(),
+        missed.first()
+    );
+}
