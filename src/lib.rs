@@ -40,6 +40,7 @@ pub mod dead_letters;
 pub mod demo;
 pub mod error;
 pub mod event;
+pub mod forward;
 pub mod http;
 pub mod keys;
 pub mod maintenance;

@@ -28,6 +28,9 @@ use crate::{
     error::{Error, Result},
 };
 
+mod cluster;
+pub use cluster::{cluster_epoch, cluster_masters, node_client};
+
 /// Longest a short command may take before it counts as failed (and is retried).
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -294,39 +297,6 @@ pub fn target_for(settings: &Settings) -> Result<Target> {
         builder = builder.password(password.expose());
     }
     Ok(Target::Cluster(builder.build()?))
-}
-
-/// The masters of the cluster now, as (host, port), from CLUSTER NODES: nodes flagged
-/// master, not failed, that serve slots.
-pub async fn cluster_masters(conn: &RedisConn) -> Result<Vec<(String, u16)>> {
-    let text: String = redis::cmd("CLUSTER")
-        .arg("NODES")
-        .query_async(&mut conn.clone())
-        .await?;
-    let mut masters: Vec<(String, u16)> = text
-        .lines()
-        .filter_map(|line| {
-            let fields: Vec<&str> = line.split(' ').collect();
-            let flags = fields.get(2)?;
-            if !flags.contains("master") || flags.contains("fail") || fields.len() <= 8 {
-                return None;
-            }
-            let addr = fields.get(1)?.split(['@', ',']).next()?;
-            let (host, port) = addr.rsplit_once(':')?;
-            Some((host.to_owned(), port.parse().ok()?))
-        })
-        .collect();
-    masters.sort();
-    Ok(masters)
-}
-
-/// A client for one node of the cluster, with the settings' credentials: for what is
-/// per node (keyspace notifications, SCAN).
-pub fn node_client(settings: &Settings, host: &str, port: u16) -> Result<redis::Client> {
-    install_crypto_provider();
-    let info =
-        connection_info(settings)?.set_addr(redis::ConnectionAddr::Tcp(host.to_owned(), port));
-    Ok(redis::Client::open(info)?)
 }
 
 /// The shared connection for short commands.

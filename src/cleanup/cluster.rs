@@ -1,0 +1,191 @@
+//! The cleanup on a Redis Cluster, where one script cannot touch the reverse set (slot of
+//! `{S}`) and the forward entries (other slots) together. Each chunk is three single-slot
+//! operations: scan (cluster_scan.lua), the check-and-delete per slot
+//! ([`crate::forward::check_delete`]), advance the cursor (cluster_advance.lua).
+
+use std::sync::LazyLock;
+
+use tokio_util::sync::CancellationToken;
+
+use super::{Cleaner, Report, Step};
+use crate::{
+    conn::{cluster_epoch, RedisConn},
+    error::{Error, Result},
+    event::ServerId,
+    retry::retrying_counted,
+};
+
+static CLUSTER_SCAN: LazyLock<redis::Script> =
+    LazyLock::new(|| redis::Script::new(include_str!("cluster_scan.lua")));
+static CLUSTER_ADVANCE: LazyLock<redis::Script> =
+    LazyLock::new(|| redis::Script::new(include_str!("cluster_advance.lua")));
+
+/// One chunk of a cluster walk, as cluster_scan.lua returned it.
+struct Chunk<'a> {
+    /// The walk's number: an advance from an earlier walk is refused.
+    walk: &'a str,
+    /// The cursor the chunk was scanned at, and the next one.
+    at: &'a str,
+    next: &'a str,
+    scanned: usize,
+}
+
+impl Cleaner {
+    /// The cleanup on a Redis Cluster, where one script cannot touch the reverse set
+    /// (slot of `{S}`) and the forward entries (other slots) together. Each chunk is three
+    /// single-slot operations: scan (cluster_scan.lua), check-and-delete per slot
+    /// (check_delete.lua, many slots in flight), advance the cursor (cluster_advance.lua).
+    /// The cursor moves only after the chunk's deletes, so a crash repeats a chunk and
+    /// never skips one. Replication is asynchronous, so a failover can lose deletes the
+    /// old master acknowledged, and redis-rs rides out a failover without an error ever
+    /// reaching this code: the cluster's `current_epoch` at the start of each walk is
+    /// stored with the cursor, and a walk at whose end the epoch differs (every failover
+    /// bumps it), or during which this worker saw errors, is made again (up to 3 times),
+    /// by whichever worker holds the cleanup by then.
+    pub(super) async fn clean_on_cluster(
+        &self,
+        conn: &RedisConn,
+        server: &ServerId,
+        entry: Option<&str>,
+        stop: &CancellationToken,
+        mut on_step: impl FnMut(&Step),
+    ) -> Result<Report> {
+        let errors =
+            prometheus::IntCounter::new("cleanup_errors", "this cleanup's failed attempts")
+                .expect("valid counter");
+        let count_globally = |n: u64| {
+            if let Some(global) = &self.errors {
+                global.inc_by(n);
+            }
+        };
+        let mut report = Report::default();
+        let mut epoch =
+            retrying_counted("cluster epoch", stop, Some(&errors), || cluster_epoch(conn)).await?;
+        loop {
+            if stop.is_cancelled() {
+                count_globally(errors.get());
+                return Err(Error::Cancelled);
+            }
+            let (walk, at, next, members) =
+                retrying_counted("cleanup scan", stop, Some(&errors), || {
+                    self.cluster_scan(conn, server, epoch)
+                })
+                .await?;
+            let (deleted, kept) = retrying_counted("cleanup delete", stop, Some(&errors), || {
+                crate::forward::check_delete(conn, &self.keys, self.layout, server, &members)
+            })
+            .await?;
+            if next == "0" {
+                epoch =
+                    retrying_counted("cluster epoch", stop, Some(&errors), || cluster_epoch(conn))
+                        .await?;
+            }
+            let saw_errors = errors.get() > 0;
+            let chunk = Chunk {
+                walk: &walk,
+                at: &at,
+                next: &next,
+                scanned: members.len(),
+            };
+            let advanced = retrying_counted("cleanup advance", stop, Some(&errors), || {
+                self.cluster_advance(conn, server, &chunk, epoch, saw_errors)
+            })
+            .await?;
+            let step = Step {
+                done: advanced == "done",
+                scanned: members.len() as u64,
+                deleted,
+                kept,
+            };
+            report.add(&step);
+            on_step(&step);
+            match advanced.as_str() {
+                "done" => {
+                    count_globally(errors.get());
+                    errors.reset();
+                    // The stream is in another slot: the acknowledgement follows the step.
+                    if let (Some(id), false) = (entry, report.acknowledged) {
+                        retrying_counted("acknowledging", stop, self.errors.as_ref(), || {
+                            crate::stream::ack(conn, &self.keys, id)
+                        })
+                        .await?;
+                        report.acknowledged = true;
+                    }
+                    // A member added between the last step and the acknowledgement (a
+                    // zombie, a registration in two steps) is walked now. S leaves
+                    // `servers` only after that: should this worker die before, the
+                    // reconciler still sees S and reports it again.
+                    let left = retrying_counted("cleanup check", stop, None, || {
+                        self.progress(conn, server)
+                    })
+                    .await?;
+                    if left.is_none() {
+                        self.leave_servers(conn, server, stop).await?;
+                        return Ok(report);
+                    }
+                    tracing::info!(server_id = %server, "members were added to the reverse set as the cleanup finished: walking them");
+                }
+                "again" => {
+                    count_globally(errors.get());
+                    errors.reset();
+                    tracing::info!(server_id = %server, "the cluster failed over (or errors were seen) during the walk: walking the set once more");
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Once a cluster cleanup is done and acknowledged: S leaves `servers`.
+    async fn leave_servers(
+        &self,
+        conn: &RedisConn,
+        server: &ServerId,
+        stop: &CancellationToken,
+    ) -> Result<()> {
+        retrying_counted("cleanup finish", stop, self.errors.as_ref(), || async {
+            let _: i64 = redis::cmd("ZREM")
+                .arg(self.keys.servers())
+                .arg(server.as_str())
+                .query_async(&mut conn.clone())
+                .await?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn cluster_scan(
+        &self,
+        conn: &RedisConn,
+        server: &ServerId,
+        epoch: u64,
+    ) -> Result<(String, String, String, Vec<Vec<u8>>)> {
+        let mut call = CLUSTER_SCAN.prepare_invoke();
+        call.key(self.keys.server_users(server))
+            .key(self.keys.server_walking(server))
+            .key(self.keys.server_cleanup(server))
+            .arg(self.chunk_size)
+            .arg(epoch);
+        Ok(call.invoke_async(&mut conn.clone()).await?)
+    }
+
+    async fn cluster_advance(
+        &self,
+        conn: &RedisConn,
+        server: &ServerId,
+        chunk: &Chunk<'_>,
+        epoch: u64,
+        saw_errors: bool,
+    ) -> Result<String> {
+        let mut call = CLUSTER_ADVANCE.prepare_invoke();
+        call.key(self.keys.server_users(server))
+            .key(self.keys.server_walking(server))
+            .key(self.keys.server_cleanup(server))
+            .arg(chunk.walk)
+            .arg(chunk.at)
+            .arg(chunk.next)
+            .arg(chunk.scanned)
+            .arg(epoch)
+            .arg(if saw_errors { "1" } else { "0" });
+        Ok(call.invoke_async(&mut conn.clone()).await?)
+    }
+}

@@ -1,0 +1,234 @@
+//! Cleaning one dead server: the algorithm behind a `server.dead` event.
+//!
+//! The work is a series of steps, each one call of `clean_step.lua` on Redis. A walk
+//! starts by renaming S's reverse set `server:{S}:users` to `server:{S}:walking` (O(1));
+//! each step SSCANs the next chunk of `walking` (cursor kept in `server:{S}:cleanup`) and
+//! check-and-deletes each forward entry atomically. Members that arrive during the walk
+//! (a zombie S, a false-positive death, a registration in two steps) land in a new
+//! `users` set, which is walked next; S is clean when a step finds nothing left, and that
+//! step acknowledges the event. No command ever loads the whole set, and one step costs
+//! Redis about a millisecond per thousand users.
+//!
+//! `chunks_in_flight` steps are kept outstanding on the multiplexed connection, so Redis
+//! always has the next step queued while the worker reads the previous answer. Steps
+//! share the stored cursor, so concurrent steps (of this worker, or of another worker on
+//! a duplicate event) each take a different chunk.
+//!
+//! Between steps the worker checks its stop token: a cleanup abandoned there leaves a
+//! consistent state that any worker resumes from.
+
+//! Files: this one holds the [`Cleaner`] and what both topologies share; `single.rs` the
+//! single-node walk (clean_step.lua), `cluster.rs` the cluster walk (cluster_scan.lua,
+//! cluster_advance.lua). The check-and-delete of forward entries is [`crate::forward`].
+
+mod cluster;
+mod single;
+
+use std::sync::LazyLock;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    config::Layout,
+    conn::RedisConn,
+    error::{Error, Result},
+    event::ServerId,
+    keys::Keys,
+};
+
+static RECORD_FAILURE: LazyLock<redis::Script> =
+    LazyLock::new(|| redis::Script::new(include_str!("record_failure.lua")));
+
+/// Checks at start-up that cleanups can walk here. A cursor is trusted only with the
+/// run_id of the Redis that issued it (INFO server): on a single node a Redis without one
+/// (INFO refused or stripped, as by some proxies) is walked with SPOP instead, which is
+/// logged; on a cluster, where the walk and the deletes cannot be one script, there is no
+/// such fallback and the worker stops with this error.
+pub async fn check_walkable(conn: &RedisConn) -> Result<()> {
+    // On a cluster redis-rs sends INFO to every node and answers with a map of replies.
+    let info: redis::RedisResult<redis::Value> = redis::cmd("INFO")
+        .arg("server")
+        .query_async(&mut conn.clone())
+        .await;
+    fn texts(v: &redis::Value, out: &mut Vec<String>) {
+        match v {
+            redis::Value::BulkString(b) => out.push(String::from_utf8_lossy(b).into_owned()),
+            redis::Value::VerbatimString { text, .. } => out.push(text.clone()),
+            redis::Value::Map(pairs) => pairs.iter().for_each(|(_, v)| texts(v, out)),
+            redis::Value::Array(items) => items.iter().for_each(|v| texts(v, out)),
+            _ => {}
+        }
+    }
+    let has_run_id = match info {
+        Ok(value) => {
+            let mut replies = Vec::new();
+            texts(&value, &mut replies);
+            !replies.is_empty() && replies.iter().all(|t| t.contains("run_id:"))
+        }
+        Err(e) if crate::error::redis_error_is_retryable(&e) => return Err(e.into()),
+        Err(_) => false,
+    };
+    match (has_run_id, conn.is_cluster()) {
+        (true, _) => Ok(()),
+        (false, false) => {
+            tracing::warn!("INFO server is refused or gives no run_id: cleanups walk reverse sets with SPOP (no cursor to trust), which costs Redis a little more");
+            Ok(())
+        }
+        (false, true) => Err(Error::Setting {
+            name: "redis_cluster".into(),
+            reason: "the cluster's nodes refuse INFO server or give no run_id; the cleanup on a \
+                     cluster needs it to trust its stored cursor (allow INFO for the janitor's user)"
+                .into(),
+        }),
+    }
+}
+
+/// What one step did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Step {
+    /// Nothing is left to walk and the server's bookkeeping is gone: clean.
+    pub done: bool,
+    /// Reverse-set members handled by this step.
+    pub scanned: u64,
+    /// Forward entries deleted (they still pointed at the dead server).
+    pub deleted: u64,
+    /// Forward entries left alone because they point at another server now.
+    pub kept: u64,
+}
+
+/// Totals of one cleanup, as seen by this worker.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Report {
+    pub steps: u64,
+    /// Members visited, over every walk of the set.
+    pub scanned: u64,
+    pub deleted: u64,
+    pub kept: u64,
+    /// The event's entry was acknowledged by the cleanup itself (see [`Cleaner::clean_event`]).
+    pub acknowledged: bool,
+}
+
+impl Report {
+    fn add(&mut self, step: &Step) {
+        self.steps += 1;
+        self.scanned += step.scanned;
+        self.deleted += step.deleted;
+        self.kept += step.kept;
+    }
+}
+
+/// How a single-node step walks the set (see clean_step.lua).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WalkMode {
+    /// SSCAN from a stored cursor tied to the Redis run_id; the set is not modified.
+    Scan,
+    /// SPOP: no cursor and no write that takes memory (for OOM, and for a Redis whose
+    /// INFO gives no run_id).
+    Pop,
+}
+
+/// Cleans dead servers of one registry.
+#[derive(Debug, Clone)]
+pub struct Cleaner {
+    keys: Keys,
+    layout: Layout,
+    chunk_size: usize,
+    chunks_in_flight: usize,
+    /// Counts failed step attempts (Redis errors), when set.
+    errors: Option<prometheus::IntCounter>,
+}
+
+impl Cleaner {
+    pub fn new(keys: Keys, layout: Layout, chunk_size: usize, chunks_in_flight: usize) -> Self {
+        Cleaner {
+            keys,
+            layout,
+            chunk_size,
+            chunks_in_flight: chunks_in_flight.max(1),
+            errors: None,
+        }
+    }
+
+    /// Counts every failed step attempt in `errors`.
+    pub fn counting_errors(mut self, errors: prometheus::IntCounter) -> Self {
+        self.errors = Some(errors);
+        self
+    }
+
+    /// Cleans `server` until nothing of it is left to walk (see [`Cleaner::clean_event`]).
+    pub async fn clean(
+        &self,
+        conn: &RedisConn,
+        server: &ServerId,
+        stop: &CancellationToken,
+        on_step: impl FnMut(&Step),
+    ) -> Result<Report> {
+        self.clean_event(conn, server, None, stop, on_step).await
+    }
+
+    /// Cleans `server` until its reverse set, and every member added to it meanwhile, is
+    /// walked; retries through Redis outages. With `entry`, the event's stream entry is
+    /// acknowledged by the cleanup itself: on one node inside the very step that finds
+    /// nothing left (so no member added before the acknowledgement can be missed); on a
+    /// cluster, where the stream is in another slot, right after that step, and the set is
+    /// checked once more after the acknowledgement (a member that raced it is walked then).
+    /// Returns [`Error::Cancelled`] if `stop` fires first (the state stays consistent and
+    /// resumable); `on_step` sees every step as it completes.
+    pub async fn clean_event(
+        &self,
+        conn: &RedisConn,
+        server: &ServerId,
+        entry: Option<&str>,
+        stop: &CancellationToken,
+        on_step: impl FnMut(&Step),
+    ) -> Result<Report> {
+        if conn.is_cluster() {
+            return self
+                .clean_on_cluster(conn, server, entry, stop, on_step)
+                .await;
+        }
+        self.clean_on_node(conn, server, entry, stop, on_step).await
+    }
+
+    /// How far the cleanup of `server` has got: `Some(members scanned)` while under
+    /// way (0 before the first step), `None` once the server is clean (nothing of its
+    /// reverse set left to walk).
+    pub async fn progress(&self, conn: &RedisConn, server: &ServerId) -> Result<Option<u64>> {
+        let mut left = self.keys.server_members_left(server).to_vec();
+        if conn.is_cluster() {
+            // The reverse-index sweep, which sets members aside, is single-node only, and
+            // the cluster walk does not read `moved`.
+            left.pop();
+        }
+        let (exists, scanned): (u64, Option<u64>) = redis::pipe()
+            .exists(&left)
+            .hget(self.keys.server_cleanup(server), "scanned")
+            .query_async(&mut conn.clone())
+            .await?;
+        Ok((exists > 0).then_some(scanned.unwrap_or(0)))
+    }
+
+    /// Notes why cleaning `server` failed, in its progress record, so that the worker
+    /// that finally dead-letters the event can say why (best effort). Only while the
+    /// cleanup is unfinished: a note written after another worker finished would
+    /// re-create the record, and nothing would ever remove it.
+    pub async fn record_failure(&self, conn: &RedisConn, server: &ServerId, error: &str) {
+        let mut call = RECORD_FAILURE.prepare_invoke();
+        for key in self.keys.server_members_left(server) {
+            call.key(key);
+        }
+        call.key(self.keys.server_cleanup(server)).arg(error);
+        let _: redis::RedisResult<i64> = call.invoke_async(&mut conn.clone()).await;
+    }
+
+    /// The last failure noted for `server`, if any.
+    pub async fn last_failure(&self, conn: &RedisConn, server: &ServerId) -> Option<String> {
+        redis::cmd("HGET")
+            .arg(self.keys.server_cleanup(server))
+            .arg("last_error")
+            .query_async(&mut conn.clone())
+            .await
+            .ok()
+            .flatten()
+    }
+}

@@ -1,0 +1,126 @@
+//! The cleanup on a single Redis node: each step is one call of clean_step.lua, which
+//! walks the chunk and deletes its entries atomically, and `chunks_in_flight` steps are
+//! kept queued so Redis never waits for the worker.
+
+use std::sync::LazyLock;
+
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use tokio_util::sync::CancellationToken;
+
+use super::{Cleaner, Report, Step, WalkMode};
+use crate::{
+    config::Layout,
+    conn::RedisConn,
+    error::{Error, Result},
+    event::ServerId,
+    retry::retrying_counted,
+};
+
+static CLEAN_STEP: LazyLock<redis::Script> =
+    LazyLock::new(|| crate::forward::with_prelude(include_str!("clean_step.lua")));
+
+impl Cleaner {
+    /// [`Cleaner::clean_event`] on one node.
+    pub(super) async fn clean_on_node(
+        &self,
+        conn: &RedisConn,
+        server: &ServerId,
+        entry: Option<&str>,
+        stop: &CancellationToken,
+        mut on_step: impl FnMut(&Step),
+    ) -> Result<Report> {
+        // Once Redis says OOM, the rest of this cleanup walks in the mode that takes no
+        // memory: the cleanup is what frees it.
+        let oom = std::sync::atomic::AtomicBool::new(false);
+        let step = || {
+            retrying_counted("cleanup step", stop, self.errors.as_ref(), || async {
+                let mode = if oom.load(std::sync::atomic::Ordering::Relaxed) {
+                    WalkMode::Pop
+                } else {
+                    WalkMode::Scan
+                };
+                let result = self.step_with(conn, server, mode, entry).await;
+                match result {
+                    Err(Error::Redis(e)) if e.code() == Some("OOM") && mode == WalkMode::Scan => {
+                        if !oom.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                            tracing::warn!(server_id = %server, "Redis is out of memory: walking on with SPOP, which needs none");
+                        }
+                        self.step_with(conn, server, WalkMode::Pop, entry).await
+                    }
+                    other => other,
+                }
+            })
+        };
+        let mut report = Report::default();
+        let mut in_flight: FuturesUnordered<_> =
+            (0..self.chunks_in_flight).map(|_| step()).collect();
+        // Steps queued behind the one that found nothing left may have started a new walk
+        // (members registered after it): the cleanup ends only when the last step to
+        // complete found nothing left, so no such walk is left half done.
+        let mut done = false;
+        while let Some(result) = in_flight.next().await {
+            let outcome = match result {
+                Err(Error::Cancelled) => continue,
+                other => other?,
+            };
+            report.add(&outcome);
+            on_step(&outcome);
+            done = outcome.done;
+            if !done && !stop.is_cancelled() {
+                in_flight.push(step());
+            }
+        }
+        if done {
+            report.acknowledged = entry.is_some();
+            Ok(report)
+        } else {
+            Err(Error::Cancelled)
+        }
+    }
+
+    /// One call of the step script, walking with SSCAN (see [`Cleaner::step_with`]).
+    pub async fn step(&self, conn: &RedisConn, server: &ServerId) -> Result<Step> {
+        self.step_with(conn, server, WalkMode::Scan, None).await
+    }
+
+    /// One call of the step script (clean_step.lua) in `mode`; with `entry`, the step that
+    /// finds nothing left acknowledges that entry.
+    pub async fn step_with(
+        &self,
+        conn: &RedisConn,
+        server: &ServerId,
+        mode: WalkMode,
+        entry: Option<&str>,
+    ) -> Result<Step> {
+        let layout = match self.layout {
+            Layout::Hash => "hash",
+            Layout::Keys => "keys",
+        };
+        let mut call = CLEAN_STEP.prepare_invoke();
+        call.key(self.keys.server_users(server))
+            .key(self.keys.server_walking(server))
+            .key(self.keys.server_moved(server))
+            .key(self.keys.server_cleanup(server))
+            .key(self.keys.servers())
+            .key(self.keys.registry())
+            .key(self.keys.events())
+            .arg(server.as_str())
+            .arg(self.chunk_size)
+            .arg(layout)
+            .arg(self.keys.user_key_prefix())
+            .arg(match mode {
+                WalkMode::Scan => "scan",
+                WalkMode::Pop => "pop",
+            })
+            .arg(crate::keys::GROUP)
+            .arg(entry.unwrap_or(""));
+        let (done, scanned, deleted, kept, _mode): (i64, u64, u64, u64, String) =
+            call.invoke_async(&mut conn.clone()).await?;
+        Ok(Step {
+            done: done == 1,
+            scanned,
+            deleted,
+            kept,
+        })
+    }
+}

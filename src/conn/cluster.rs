@@ -1,0 +1,54 @@
+//! The topology of a Redis Cluster, for what is per node rather than per slot: the masters
+//! (keyspace notifications and SCAN are per node), a client for one node, and the
+//! cluster's epoch (every failover bumps it).
+
+use super::{connection_info, install_crypto_provider, RedisConn};
+use crate::{
+    config::Settings,
+    error::{Error, Result},
+};
+
+/// The masters of the cluster now, as (host, port), from CLUSTER NODES: nodes flagged
+/// master, not failed, that serve slots.
+pub async fn cluster_masters(conn: &RedisConn) -> Result<Vec<(String, u16)>> {
+    let text: String = redis::cmd("CLUSTER")
+        .arg("NODES")
+        .query_async(&mut conn.clone())
+        .await?;
+    let mut masters: Vec<(String, u16)> = text
+        .lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split(' ').collect();
+            let flags = fields.get(2)?;
+            if !flags.contains("master") || flags.contains("fail") || fields.len() <= 8 {
+                return None;
+            }
+            let addr = fields.get(1)?.split(['@', ',']).next()?;
+            let (host, port) = addr.rsplit_once(':')?;
+            Some((host.to_owned(), port.parse().ok()?))
+        })
+        .collect();
+    masters.sort();
+    Ok(masters)
+}
+
+/// A client for one node of the cluster, with the settings' credentials: for what is
+/// per node (keyspace notifications, SCAN).
+pub fn node_client(settings: &Settings, host: &str, port: u16) -> Result<redis::Client> {
+    install_crypto_provider();
+    let info =
+        connection_info(settings)?.set_addr(redis::ConnectionAddr::Tcp(host.to_owned(), port));
+    Ok(redis::Client::open(info)?)
+}
+
+/// The cluster's `current_epoch` (CLUSTER INFO): it grows with every failover.
+pub async fn cluster_epoch(conn: &RedisConn) -> Result<u64> {
+    let info: String = redis::cmd("CLUSTER")
+        .arg("INFO")
+        .query_async(&mut conn.clone())
+        .await?;
+    info.lines()
+        .find_map(|l| l.strip_prefix("cluster_current_epoch:"))
+        .and_then(|v| v.trim().parse().ok())
+        .ok_or_else(|| Error::Protocol("CLUSTER INFO without cluster_current_epoch".into()))
+}

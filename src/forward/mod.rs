@@ -1,0 +1,92 @@
+//! The forward registry's atomic check-and-delete, shared by the cleanup (on a cluster)
+//! and the reconciler's drift sweep: an entry is deleted only if, at that instant, it
+//! still names the dead server, so a user who reconnected elsewhere keeps the new entry.
+//!
+//! `owners.lua` is the Lua prelude that every script reading forward entries starts with
+//! (owner lookup per layout, the batched delete, the server id rule): [`with_prelude`]
+//! builds such a script.
+
+use std::sync::LazyLock;
+
+use futures_util::stream::{FuturesUnordered, StreamExt};
+
+use crate::{config::Layout, conn::RedisConn, error::Result, event::ServerId, keys::Keys};
+
+/// The shared Lua prelude (see owners.lua).
+pub(crate) const PRELUDE: &str = include_str!("owners.lua");
+
+/// A script made of the shared prelude followed by `body`.
+pub(crate) fn with_prelude(body: &str) -> redis::Script {
+    redis::Script::new(&format!("{PRELUDE}{body}"))
+}
+
+static CHECK_DELETE: LazyLock<redis::Script> =
+    LazyLock::new(|| with_prelude(include_str!("check_delete.lua")));
+
+/// Check-and-delete scripts (one per slot) of one chunk in flight at once on a cluster.
+const SLOTS_IN_FLIGHT: usize = 64;
+
+/// Check-and-delete of `users`' forward entries that still name `server`: one script per
+/// slot (one call for layout `hash`, whose entries share the `registry` key; for layout
+/// `keys`, the users grouped by slot, many calls in flight). Returns (deleted, kept): kept
+/// are entries that name another server now. Works on one node and on a cluster.
+pub async fn check_delete(
+    conn: &RedisConn,
+    keys: &Keys,
+    layout: Layout,
+    server: &ServerId,
+    users: &[Vec<u8>],
+) -> Result<(u64, u64)> {
+    if users.is_empty() {
+        return Ok((0, 0));
+    }
+    let mut calls = Vec::new();
+    match layout {
+        Layout::Hash => {
+            let mut call = CHECK_DELETE.prepare_invoke();
+            call.key(keys.registry()).arg(server.as_str()).arg("hash");
+            for u in users {
+                call.arg(u);
+            }
+            calls.push(call);
+        }
+        Layout::Keys => {
+            let mut by_slot: std::collections::HashMap<redis::cluster_routing::Slot, Vec<Vec<u8>>> =
+                std::collections::HashMap::new();
+            for u in users {
+                let key = keys.user(u);
+                by_slot
+                    .entry(redis::cluster_routing::Slot::for_key(&key))
+                    .or_default()
+                    .push(key);
+            }
+            for keys in by_slot.into_values() {
+                let mut call = CHECK_DELETE.prepare_invoke();
+                call.arg(server.as_str()).arg("keys");
+                for k in keys {
+                    call.key(k);
+                }
+                calls.push(call);
+            }
+        }
+    }
+    // A plain loop rather than an iterator of closures: the latter trips rustc's
+    // higher-ranked `Send` inference when the worker spawns this future.
+    let mut totals = (0, 0);
+    let mut queued = calls.iter();
+    let mut in_flight = FuturesUnordered::new();
+    loop {
+        while in_flight.len() < SLOTS_IN_FLIGHT {
+            let Some(call) = queued.next() else { break };
+            let mut c = conn.clone();
+            in_flight.push(async move { call.invoke_async::<(u64, u64)>(&mut c).await });
+        }
+        let Some(reply) = in_flight.next().await else {
+            break;
+        };
+        let (deleted, kept) = reply?;
+        totals.0 += deleted;
+        totals.1 += kept;
+    }
+    Ok(totals)
+}

@@ -1,0 +1,205 @@
+//! The heartbeat pass: servers in `servers` whose heartbeat is older than the grace
+//! period and whose liveness key is gone get a `server.dead` event (report_dead.lua
+//! re-checks both at the instant it publishes; on a cluster, report_dead_cluster.lua
+//! in the slot of `{S}`).
+
+use std::sync::LazyLock;
+
+use tracing::{info, warn};
+
+use super::{PassReport, Reconciler, Verdict, PAGE};
+use crate::{
+    conn::{self, RedisConn},
+    error::{Error, Result},
+    event::{ServerDead, ServerId},
+    keys::Keys,
+};
+
+static REPORT_DEAD: LazyLock<redis::Script> =
+    LazyLock::new(|| redis::Script::new(include_str!("report_dead.lua")));
+static REPORT_DEAD_CLUSTER: LazyLock<redis::Script> =
+    LazyLock::new(|| redis::Script::new(include_str!("report_dead_cluster.lua")));
+
+impl Reconciler {
+    /// Publishes `server.dead` for `server` if it is dead at this instant.
+    pub async fn check(&self, server: &ServerId) -> Result<Verdict> {
+        let event = ServerDead::new(
+            server,
+            Some("heartbeat timeout".into()),
+            Some("reconciler".into()),
+        );
+        let marker_ttl = self
+            .settings
+            .reconcile_interval_ms
+            .saturating_mul(2)
+            .max(1000);
+        if self.conn.is_cluster() {
+            return self.check_on_cluster(server, &event, marker_ttl).await;
+        }
+        let mut call = REPORT_DEAD.prepare_invoke();
+        call.key(self.keys.server_alive(server))
+            .key(self.keys.servers())
+            .key(self.keys.server_reported(server))
+            .key(self.keys.events())
+            .arg(server.as_str())
+            .arg(self.cutoff_ms())
+            .arg(event.encode())
+            .arg(marker_ttl);
+        let (verdict, detail): (i64, String) = call.invoke_async(&mut self.conn.clone()).await?;
+        Ok(match verdict {
+            1 => {
+                self.metrics.reconcile_dead_found.inc();
+                info!(server_id = %server, entry = %detail, event_id = %event.event_id, "server is dead; published server.dead");
+                Verdict::Published(detail)
+            }
+            0 => Verdict::Alive,
+            2 => Verdict::TooRecent {
+                heartbeat_ms: detail.parse::<f64>().map_or(0, |f| f as u64),
+            },
+            3 => Verdict::AlreadyReported,
+            other => return Err(Error::Protocol(format!("report_dead.lua returned {other}"))),
+        })
+    }
+
+    /// [`Reconciler::check`] on a cluster: the same checks, in single-slot steps (the
+    /// heartbeat's age, then liveness and marker in the slot of `{S}`, then the event).
+    pub(super) async fn check_on_cluster(
+        &self,
+        server: &ServerId,
+        event: &ServerDead,
+        marker_ttl: u64,
+    ) -> Result<Verdict> {
+        let mut c = self.conn.clone();
+        let score: Option<f64> = redis::cmd("ZSCORE")
+            .arg(self.keys.servers())
+            .arg(server.as_str())
+            .query_async(&mut c)
+            .await?;
+        if let Some(score) = score.filter(|&s| s as u64 > self.cutoff_ms()) {
+            return Ok(Verdict::TooRecent {
+                heartbeat_ms: score as u64,
+            });
+        }
+        let mut call = REPORT_DEAD_CLUSTER.prepare_invoke();
+        call.key(self.keys.server_alive(server))
+            .key(self.keys.server_reported(server))
+            .arg(marker_ttl);
+        match call.invoke_async::<i64>(&mut c).await? {
+            0 => Ok(Verdict::Alive),
+            3 => Ok(Verdict::AlreadyReported),
+            _ => {
+                let id =
+                    crate::stream::publish_event(&self.conn, &self.keys, &event.encode()).await?;
+                self.metrics.reconcile_dead_found.inc();
+                info!(server_id = %server, entry = %id, event_id = %event.event_id, "server is dead; published server.dead");
+                Ok(Verdict::Published(id))
+            }
+        }
+    }
+
+    /// Every member of `servers` with its score (last heartbeat), by ZSCAN. Heartbeats move
+    /// scores and cleanups remove members all the time, so paging by rank or by offset
+    /// would skip members whose place shifted between two pages; ZSCAN returns every
+    /// member present for the whole walk, whatever happens to the others (duplicates,
+    /// which ZSCAN may give, are dropped).
+    pub(super) async fn known_servers(&self) -> Result<Vec<(String, f64)>> {
+        let mut seen = std::collections::BTreeMap::new();
+        let mut cursor = 0u64;
+        loop {
+            let (next, flat): (u64, Vec<(String, f64)>) = redis::cmd("ZSCAN")
+                .arg(self.keys.servers())
+                .arg(cursor)
+                .arg("COUNT")
+                .arg(PAGE)
+                .query_async(&mut self.conn.clone())
+                .await?;
+            seen.extend(flat);
+            if next == 0 {
+                return Ok(seen.into_iter().collect());
+            }
+            cursor = next;
+        }
+    }
+
+    /// One pass over `servers`: checks every server whose heartbeat is older than the
+    /// grace period.
+    pub async fn pass(&self) -> Result<PassReport> {
+        let mut report = PassReport::default();
+        let cutoff = self.cutoff_ms();
+        let stale = self
+            .known_servers()
+            .await?
+            .into_iter()
+            .filter(|(_, score)| *score <= cutoff as f64);
+        for (member, _) in stale {
+            report.candidates += 1;
+            let Ok(server) = ServerId::parse(&member) else {
+                report.invalid += 1;
+                warn!(member = %member.escape_debug(), "`servers` holds an invalid server id; left alone");
+                continue;
+            };
+            match self.check(&server).await? {
+                Verdict::Published(_) => report.published += 1,
+                Verdict::Alive => report.alive += 1,
+                Verdict::TooRecent { .. } => report.too_recent += 1,
+                Verdict::AlreadyReported => report.already_reported += 1,
+            }
+        }
+        self.metrics.reconcile_passes.inc();
+        Ok(report)
+    }
+
+    /// Live servers: a liveness key, or a heartbeat within the grace period.
+    pub async fn live_servers(&self) -> Result<Vec<ServerId>> {
+        let cutoff = self.cutoff_ms();
+        let mut live = Vec::new();
+        let servers: Vec<(ServerId, f64)> = self
+            .known_servers()
+            .await?
+            .into_iter()
+            .filter_map(|(m, score)| ServerId::parse(&m).ok().map(|s| (s, score)))
+            .collect();
+        for page in servers.chunks(PAGE) {
+            let exists = page
+                .iter()
+                .map(|(s, _)| {
+                    redis::cmd("EXISTS")
+                        .arg(self.keys.server_alive(s))
+                        .to_owned()
+                })
+                .collect();
+            let alive: Vec<bool> = conn::each_in_flight(&self.conn, exists).await?;
+            for ((server, score), has_key) in page.iter().zip(alive) {
+                if has_key || *score as u64 > cutoff {
+                    live.push(server.clone());
+                }
+            }
+        }
+        Ok(live)
+    }
+}
+
+/// Counts servers that are dead now (stale heartbeat and no liveness key), read-only.
+pub async fn count_dead(conn: &RedisConn, keys: &Keys, grace_ms: u64) -> Result<u64> {
+    let cutoff = crate::now_ms().saturating_sub(grace_ms);
+    let stale: Vec<String> = redis::cmd("ZRANGEBYSCORE")
+        .arg(keys.servers())
+        .arg("-inf")
+        .arg(cutoff)
+        .query_async(&mut conn.clone())
+        .await?;
+    let servers: Vec<ServerId> = stale
+        .iter()
+        .filter_map(|s| ServerId::parse(s).ok())
+        .collect();
+    let mut dead = 0;
+    for chunk in servers.chunks(PAGE) {
+        let exists = chunk
+            .iter()
+            .map(|s| redis::cmd("EXISTS").arg(keys.server_alive(s)).to_owned())
+            .collect();
+        let alive: Vec<bool> = conn::each_in_flight(conn, exists).await?;
+        dead += alive.iter().filter(|a| !**a).count() as u64;
+    }
+    Ok(dead)
+}

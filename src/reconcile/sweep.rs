@@ -1,0 +1,207 @@
+//! The drift sweep on one node: the forward registry in paced steps from a stored
+//! cursor (sweep_forward.lua deletes entries whose owner is dead), then the reverse sets
+//! of live servers (sweep_reverse.lua sets aside members whose user moved).
+
+use std::{
+    sync::{Arc, LazyLock},
+    time::Duration,
+};
+
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use super::{pause_or_stop, Reconciler, SweepReport};
+use crate::{
+    error::{Error, Result},
+    event::ServerId,
+};
+
+static SWEEP_FORWARD: LazyLock<redis::Script> =
+    LazyLock::new(|| crate::forward::with_prelude(include_str!("sweep_forward.lua")));
+static SWEEP_REVERSE: LazyLock<redis::Script> =
+    LazyLock::new(|| crate::forward::with_prelude(include_str!("sweep_reverse.lua")));
+
+impl Reconciler {
+    /// One step of the forward sweep; `cursor` None resumes from the stored cursor.
+    /// Returns (next cursor, entries scanned, entries removed).
+    pub async fn sweep_step(&self, cursor: Option<&str>) -> Result<(String, u64, u64)> {
+        let pattern = crate::keys::pattern_under(&self.keys.user_key_prefix());
+        let mut call = SWEEP_FORWARD.prepare_invoke();
+        call.key(self.keys.registry())
+            .key(self.keys.sweep())
+            .key(self.keys.servers())
+            .arg(self.layout())
+            .arg(self.settings.sweep_count)
+            .arg(self.keys.prefix())
+            .arg(self.cutoff_ms())
+            .arg(pattern)
+            .arg(cursor.unwrap_or(""));
+        let (next, scanned, removed): (String, u64, u64) =
+            call.invoke_async(&mut self.conn.clone()).await?;
+        self.metrics.drift_entries_removed.inc_by(removed);
+        Ok((next, scanned, removed))
+    }
+
+    /// One step of the reverse sweep of `server`'s set from `cursor`.
+    /// Returns (next cursor, members scanned, members removed).
+    pub(super) async fn sweep_reverse_step(
+        &self,
+        server: &ServerId,
+        cursor: &str,
+    ) -> Result<(String, u64, u64)> {
+        let mut call = SWEEP_REVERSE.prepare_invoke();
+        call.key(self.keys.server_users(server))
+            .key(self.keys.registry())
+            .key(self.keys.server_moved(server))
+            .arg(server.as_str())
+            .arg(cursor)
+            .arg(self.settings.sweep_count)
+            .arg(self.layout())
+            .arg(self.keys.user_key_prefix())
+            .arg(self.settings.heartbeat_grace_ms);
+        Ok(call.invoke_async(&mut self.conn.clone()).await?)
+    }
+
+    /// Sweeps one live server's reverse set completely, `pause` between steps. Each step
+    /// is retried through transient states; [`Error::Cancelled`] as soon as `stop` fires.
+    pub async fn sweep_reverse(
+        &self,
+        server: &ServerId,
+        pause: Duration,
+        stop: &CancellationToken,
+    ) -> Result<(u64, u64)> {
+        let (mut cursor, mut scanned, mut removed) = ("0".to_owned(), 0, 0);
+        let watch = self.watch();
+        loop {
+            let (next, n, r) = watch
+                .retrying("reverse-index sweep", stop, || {
+                    self.sweep_reverse_step(server, &cursor)
+                })
+                .await?;
+            scanned += n;
+            removed += r;
+            self.metrics.drift_members_removed.inc_by(r);
+            self.health.beat();
+            if next == "0" {
+                return Ok((scanned, removed));
+            }
+            cursor = next;
+            pause_or_stop(pause, stop).await?;
+        }
+    }
+
+    /// One complete sweep: the forward registry from the start, then every live server's
+    /// reverse set. Paced by `pause` between steps; each step is retried through
+    /// transient states; [`Error::Cancelled`] as soon as `stop` fires.
+    pub async fn sweep(&self, pause: Duration, stop: &CancellationToken) -> Result<SweepReport> {
+        let mut report = SweepReport::default();
+        if self.conn.is_cluster() {
+            return self.sweep_on_cluster(pause, stop).await;
+        }
+        let watch = self.watch();
+        let mut cursor = "0".to_owned();
+        loop {
+            let (next, scanned, removed) = watch
+                .retrying("drift sweep", stop, || self.sweep_step(Some(&cursor)))
+                .await?;
+            report.steps += 1;
+            report.entries_scanned += scanned;
+            report.entries_removed += removed;
+            self.health.beat();
+            if next == "0" {
+                break;
+            }
+            cursor = next;
+            pause_or_stop(pause, stop).await?;
+        }
+        self.sweep_reverse_sets(pause, &mut report, stop).await?;
+        Ok(report)
+    }
+
+    pub(super) async fn sweep_reverse_sets(
+        &self,
+        pause: Duration,
+        report: &mut SweepReport,
+        stop: &CancellationToken,
+    ) -> Result<()> {
+        let live = self
+            .watch()
+            .retrying("listing live servers", stop, || self.live_servers())
+            .await?;
+        debug!(
+            live_servers = live.len(),
+            "sweeping the reverse sets of live servers"
+        );
+        for server in live {
+            let (scanned, removed) = self.sweep_reverse(&server, pause, stop).await?;
+            report.live_servers += 1;
+            report.members_scanned += scanned;
+            report.members_removed += removed;
+            self.health.beat();
+        }
+        Ok(())
+    }
+
+    /// The continuous sweep: paced steps from the stored cursor; after each complete
+    /// cycle, the reverse sets, then a rest of one interval.
+    pub(super) async fn sweep_loop(self: Arc<Self>, shutdown: CancellationToken) {
+        let pause = Duration::from_millis(self.settings.sweep_pause_ms);
+        let interval = Duration::from_millis(self.settings.reconcile_interval_ms);
+        if self.conn.is_cluster() {
+            // On a cluster: one complete cycle per interval (see `sweep_on_cluster`).
+            loop {
+                self.health.beat();
+                match self.sweep(pause, &shutdown).await {
+                    Ok(r) if r.entries_removed > 0 => info!(?r, "drift sweep cycle done"),
+                    Ok(r) => debug!(?r, "drift sweep cycle done"),
+                    Err(Error::Cancelled) => return,
+                    Err(e) => warn!(error = %e, "drift sweep failed; next cycle in an interval"),
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(interval) => {}
+                    _ = shutdown.cancelled() => return,
+                }
+            }
+        }
+        let mut cycle = SweepReport::default();
+        loop {
+            self.health.beat();
+            let step = self
+                .watch()
+                .retrying("drift sweep", &shutdown, || self.sweep_step(None))
+                .await;
+            let wait = match step {
+                Err(Error::Cancelled) => return,
+                Err(e) => {
+                    warn!(error = %e, "drift sweep step failed");
+                    interval
+                }
+                Ok((next, scanned, removed)) => {
+                    cycle.steps += 1;
+                    cycle.entries_scanned += scanned;
+                    cycle.entries_removed += removed;
+                    if next != "0" {
+                        pause
+                    } else {
+                        match self.sweep_reverse_sets(pause, &mut cycle, &shutdown).await {
+                            Ok(()) => {}
+                            Err(Error::Cancelled) => return,
+                            Err(e) => warn!(error = %e, "reverse-index sweep failed"),
+                        }
+                        if cycle.entries_removed + cycle.members_removed > 0 {
+                            info!(?cycle, "drift sweep cycle done");
+                        } else {
+                            debug!(?cycle, "drift sweep cycle done");
+                        }
+                        cycle = SweepReport::default();
+                        interval
+                    }
+                }
+            };
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => {}
+                _ = shutdown.cancelled() => return,
+            }
+        }
+    }
+}

@@ -1,0 +1,191 @@
+//! The drift sweep on a cluster: HSCAN of `registry` through the cluster connection
+//! (layout hash) or SCAN of `user:*` on every master (layout keys); entries of dead owners
+//! are deleted by the shared check-and-delete ([`crate::forward::check_delete`]).
+
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use super::{pause_or_stop, Reconciler, SweepReport};
+use crate::{
+    config::Layout,
+    conn::{self},
+    error::Result,
+    event::ServerId,
+};
+
+impl Reconciler {
+    /// The forward sweep on a cluster: HSCAN of `registry` through the cluster connection
+    /// (layout hash), or SCAN of `user:*` on every master over a connection of its own
+    /// (layout keys); owners checked with single-key commands; entries of dead owners
+    /// deleted by the same per-slot check-and-delete as the cleanup (`check_delete.lua`).
+    /// The reverse-index part of the sweep is single-node only: on a cluster its read and
+    /// its SREM cannot be one atomic step. A cycle always starts at the beginning. Each
+    /// step (a page read, then its check-and-deletes, both idempotent) is retried through
+    /// transient states; [`Error::Cancelled`] as soon as `stop` fires.
+    pub(super) async fn sweep_on_cluster(
+        &self,
+        pause: Duration,
+        stop: &CancellationToken,
+    ) -> Result<SweepReport> {
+        let mut report = SweepReport::default();
+        let watch = self.watch();
+        let pattern = crate::keys::pattern_under(&self.keys.user_key_prefix());
+        match self.settings.layout {
+            Layout::Hash => {
+                let mut cursor = 0u64;
+                loop {
+                    let (next, flat): (u64, Vec<Vec<u8>>) = watch
+                        .retrying("drift sweep", stop, || async {
+                            Ok(redis::cmd("HSCAN")
+                                .arg(self.keys.registry())
+                                .arg(cursor)
+                                .arg("COUNT")
+                                .arg(self.settings.sweep_count)
+                                .query_async(&mut self.conn.clone())
+                                .await?)
+                        })
+                        .await?;
+                    let pairs: Vec<(Vec<u8>, Vec<u8>)> = flat
+                        .chunks_exact(2)
+                        .map(|p| (p[0].clone(), p[1].clone()))
+                        .collect();
+                    self.remove_entries_of_dead_owners(&pairs, &mut report, stop)
+                        .await?;
+                    if next == 0 {
+                        return Ok(report);
+                    }
+                    cursor = next;
+                    pause_or_stop(pause, stop).await?;
+                }
+            }
+            Layout::Keys => {
+                let user_prefix = self.keys.user_key_prefix().into_bytes();
+                let masters = watch
+                    .retrying("listing the cluster's masters", stop, || {
+                        conn::cluster_masters(&self.conn)
+                    })
+                    .await?;
+                for (host, port) in masters {
+                    let node = conn::shared(&conn::node_client(&self.settings, &host, port)?)?;
+                    let mut cursor = 0u64;
+                    loop {
+                        let (next, pairs) = watch
+                            .retrying("drift sweep", stop, || async {
+                                let (next, found) = crate::conn::scan_page(
+                                    &node,
+                                    cursor,
+                                    &pattern,
+                                    self.settings.sweep_count,
+                                    Some("string"),
+                                )
+                                .await?;
+                                // One GET per key, pipelined on this node's own connection.
+                                let gets = found
+                                    .iter()
+                                    .map(|k| redis::cmd("GET").arg(k).to_owned())
+                                    .collect();
+                                let owners: Vec<Option<Vec<u8>>> =
+                                    conn::each_in_flight(&node, gets).await?;
+                                let pairs: Vec<(Vec<u8>, Vec<u8>)> = found
+                                    .iter()
+                                    .zip(owners)
+                                    .filter_map(|(k, o)| {
+                                        Some((k.strip_prefix(user_prefix.as_slice())?.to_vec(), o?))
+                                    })
+                                    .collect();
+                                Ok((next, pairs))
+                            })
+                            .await?;
+                        self.remove_entries_of_dead_owners(&pairs, &mut report, stop)
+                            .await?;
+                        if next == 0 {
+                            break;
+                        }
+                        cursor = next;
+                        pause_or_stop(pause, stop).await?;
+                    }
+                }
+                Ok(report)
+            }
+        }
+    }
+
+    /// Of (user, owner) pairs read by a sweep step, deletes (atomically re-checked) the
+    /// entries whose owner is dead now; retried through transient states (idempotent).
+    pub(super) async fn remove_entries_of_dead_owners(
+        &self,
+        pairs: &[(Vec<u8>, Vec<u8>)],
+        report: &mut SweepReport,
+        stop: &CancellationToken,
+    ) -> Result<()> {
+        let removed = self
+            .watch()
+            .retrying("drift sweep", stop, || {
+                self.entries_of_dead_owners_removed(pairs)
+            })
+            .await?;
+        report.steps += 1;
+        report.entries_scanned += pairs.len() as u64;
+        report.entries_removed += removed;
+        self.metrics.drift_entries_removed.inc_by(removed);
+        self.health.beat();
+        Ok(())
+    }
+
+    /// One attempt of [`Reconciler::remove_entries_of_dead_owners`]; returns how many
+    /// entries it deleted.
+    pub(super) async fn entries_of_dead_owners_removed(
+        &self,
+        pairs: &[(Vec<u8>, Vec<u8>)],
+    ) -> Result<u64> {
+        let mut by_owner: std::collections::BTreeMap<ServerId, Vec<Vec<u8>>> = Default::default();
+        for (user, owner) in pairs {
+            // An owner that is not a valid server id never goes into a key name.
+            if let Some(owner) = std::str::from_utf8(owner)
+                .ok()
+                .and_then(|o| ServerId::parse(o).ok())
+            {
+                by_owner.entry(owner).or_default().push(user.clone());
+            }
+        }
+        let owners: Vec<&ServerId> = by_owner.keys().collect();
+        let exists = owners
+            .iter()
+            .map(|s| {
+                redis::cmd("EXISTS")
+                    .arg(self.keys.server_alive(s))
+                    .to_owned()
+            })
+            .collect();
+        let scores = owners
+            .iter()
+            .map(|s| {
+                redis::cmd("ZSCORE")
+                    .arg(self.keys.servers())
+                    .arg(s.as_str())
+                    .to_owned()
+            })
+            .collect();
+        let alive: Vec<bool> = conn::each_in_flight(&self.conn, exists).await?;
+        let scores: Vec<Option<f64>> = conn::each_in_flight(&self.conn, scores).await?;
+        let cutoff = self.cutoff_ms();
+        let mut removed = 0;
+        for ((owner, users), (has_key, score)) in by_owner.iter().zip(alive.into_iter().zip(scores))
+        {
+            let dead = !has_key && score.is_none_or(|s| s as u64 <= cutoff);
+            if dead {
+                let (n, _) = crate::forward::check_delete(
+                    &self.conn,
+                    &self.keys,
+                    self.settings.layout,
+                    owner,
+                    users,
+                )
+                .await?;
+                removed += n;
+            }
+        }
+        Ok(removed)
+    }
+}
