@@ -194,7 +194,7 @@ impl Settings {
                     "redis_url",
                     format!(
                         "not a redis:// or rediss:// URL: {}",
-                        crate::conn::redact_url(&self.redis_url)
+                        redact_url(&self.redis_url)
                     ),
                 )
             }
@@ -268,7 +268,7 @@ impl Settings {
             if redis::parse_redis_url(seed).is_none() {
                 return bad(
                     "redis_cluster_seeds",
-                    format!("not a redis:// URL: {}", crate::conn::redact_url(seed)),
+                    format!("not a redis:// URL: {}", redact_url(seed)),
                 );
             }
         }
@@ -367,6 +367,18 @@ fn default_consumer_name() -> String {
     )
 }
 
+/// The URL with any password replaced by `***`, for logs and error messages.
+pub fn redact_url(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut parsed) if parsed.password().is_some() => {
+            let _ = parsed.set_password(Some("***"));
+            parsed.to_string()
+        }
+        Ok(parsed) => parsed.to_string(),
+        Err(_) => "<unparsable URL>".to_owned(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -408,5 +420,15 @@ mod tests {
         check(|s| s.redis_url = "not a url".into(), "redis_url");
         check(|s| s.metrics_addr = "nowhere".into(), "metrics_addr");
         check(|s| s.max_deliveries = 0, "max_deliveries");
+    }
+
+    #[test]
+    fn redacts_passwords() {
+        assert_eq!(
+            super::redact_url("redis://u:s3cret@h:1/0"),
+            "redis://u:***@h:1/0"
+        );
+        assert_eq!(super::redact_url("redis://h:1"), "redis://h:1");
+        assert!(!super::redact_url("rediss://:pw@h").contains("pw"));
     }
 }

@@ -33,6 +33,20 @@ use crate::event::ServerId;
 /// The consumer group of the workers on the events stream (not prefixed: it is not a key).
 pub const GROUP: &str = "registry-janitor";
 
+/// The special stream ids the janitor uses, named once.
+pub mod ids {
+    /// XREADGROUP: entries never delivered to this group.
+    pub const NEW_ENTRIES: &str = ">";
+    /// XADD: let Redis choose the id.
+    pub const AUTO: &str = "*";
+    /// XGROUP CREATE: the group starts at the stream's beginning, so events published
+    /// before the first worker started are processed too.
+    pub const GROUP_START: &str = "0";
+    /// XAUTOCLAIM: the cursor that starts a pass over the pending list (and that Redis
+    /// returns after a complete one).
+    pub const CLAIM_START: &str = "0-0";
+}
+
 /// Key names under one `key_prefix`.
 #[derive(Debug, Clone)]
 pub struct Keys {

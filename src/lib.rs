@@ -41,6 +41,7 @@ pub mod demo;
 pub mod error;
 pub mod event;
 pub mod forward;
+pub mod health;
 pub mod http;
 pub mod keys;
 pub mod maintenance;

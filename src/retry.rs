@@ -21,7 +21,7 @@ use tracing::{info, warn};
 
 use crate::{
     error::{Error, Result},
-    http::Health,
+    health::Health,
 };
 
 /// The backoff used everywhere: 50 ms doubling to at most 5 s, with jitter, forever

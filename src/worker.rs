@@ -38,7 +38,7 @@ use crate::{
     conn,
     error::{Error, Result},
     event::{classify, Classified, Entry},
-    http::{Health, Readiness},
+    health::{Health, Readiness},
     keys::Keys,
     maintenance,
     metrics::{outcome, Metrics},
@@ -198,7 +198,7 @@ impl Worker {
         let claim_every =
             Duration::from_millis((self.settings.claim_min_idle_ms / 4).clamp(250, 10_000));
         let mut last_claim = Instant::now();
-        let mut claim_cursor = "0-0".to_owned();
+        let mut claim_cursor = crate::keys::ids::CLAIM_START.to_owned();
         loop {
             self.health.beat();
             while tasks.try_join_next().is_some() {}

@@ -338,27 +338,4 @@ pub fn blocking(client: &redis::Client, block: Duration) -> Result<RedisConn> {
     )?))
 }
 
-/// The URL with any password replaced by `***`, for logs and error messages.
-pub fn redact_url(url: &str) -> String {
-    match url::Url::parse(url) {
-        Ok(mut parsed) if parsed.password().is_some() => {
-            let _ = parsed.set_password(Some("***"));
-            parsed.to_string()
-        }
-        Ok(parsed) => parsed.to_string(),
-        Err(_) => "<unparsable URL>".to_owned(),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn redacts_passwords() {
-        assert_eq!(
-            super::redact_url("redis://u:s3cret@h:1/0"),
-            "redis://u:***@h:1/0"
-        );
-        assert_eq!(super::redact_url("redis://h:1"), "redis://h:1");
-        assert!(!super::redact_url("rediss://:pw@h").contains("pw"));
-    }
-}
+pub use crate::config::redact_url;

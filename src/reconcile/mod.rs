@@ -31,7 +31,7 @@ use crate::{
     conn,
     error::{Error, Result},
     event::ServerId,
-    http::{Health, Readiness},
+    health::{Health, Readiness},
     keys::Keys,
     metrics::Metrics,
     retry::{Failing, Watch},

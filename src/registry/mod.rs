@@ -27,21 +27,8 @@ use crate::conn::RedisConn;
 
 use crate::{config::Layout, error::Result, event::ServerId, keys::Keys};
 
-static UNREGISTER: LazyLock<redis::Script> = LazyLock::new(|| {
-    redis::Script::new(
-        r"
-        -- KEYS[1] forward hash (layout hash) or key (layout keys); ARGV[1] user,
-        -- ARGV[2] server, ARGV[3] layout. The forward entry goes only if it still names
-        -- this server (the user may have reconnected elsewhere meanwhile).
-        if ARGV[3] == 'hash' then
-          if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('HDEL', KEYS[1], ARGV[1]) end
-        elseif redis.call('GET', KEYS[1]) == ARGV[2] then
-          return redis.call('DEL', KEYS[1])
-        end
-        return 0
-        ",
-    )
-});
+static UNREGISTER: LazyLock<redis::Script> =
+    LazyLock::new(|| redis::Script::new(include_str!("unregister.lua")));
 
 /// Writes and reads the registry as a connection server does.
 #[derive(Debug, Clone)]

@@ -11,7 +11,7 @@ use crate::conn::RedisConn;
 use crate::{
     error::{Error, Result},
     event::{Entry, FIELD_PAYLOAD, FIELD_TYPE},
-    keys::{Keys, GROUP},
+    keys::{ids, Keys, GROUP},
 };
 
 /// Creates the group (see [`ensure_group`]) and registers `consumer` in it, so that an
@@ -77,7 +77,7 @@ pub async fn ensure_group(conn: &RedisConn, keys: &Keys) -> Result<()> {
         .arg("CREATE")
         .arg(keys.events())
         .arg(GROUP)
-        .arg("0")
+        .arg(ids::GROUP_START)
         .arg("MKSTREAM")
         .query_async(&mut conn.clone())
         .await;
@@ -112,7 +112,7 @@ pub async fn read_new(
         .arg(block_ms)
         .arg("STREAMS")
         .arg(keys.events())
-        .arg(">")
+        .arg(ids::NEW_ENTRIES)
         .query_async(&mut conn.clone())
         .await?;
     parse_read_reply(reply)
@@ -159,7 +159,7 @@ pub async fn dead_letter(conn: &RedisConn, keys: &Keys, entry: &Entry, error: &s
     fields.push((b"failed_at_ms".to_vec(), &now));
     if conn.is_cluster() || fields.len() > MAX_SCRIPT_FIELDS {
         let mut xadd = redis::cmd("XADD");
-        xadd.arg(keys.dead_letters()).arg("*");
+        xadd.arg(keys.dead_letters()).arg(ids::AUTO);
         for (k, v) in &fields {
             xadd.arg(k).arg(*v);
         }
@@ -182,7 +182,7 @@ pub async fn dead_letter(conn: &RedisConn, keys: &Keys, entry: &Entry, error: &s
 /// Publishes one entry with the given fields; returns its id.
 pub async fn publish(conn: &RedisConn, stream: &str, fields: &[(&[u8], &[u8])]) -> Result<String> {
     let mut xadd = redis::cmd("XADD");
-    xadd.arg(stream).arg("*");
+    xadd.arg(stream).arg(ids::AUTO);
     for (k, v) in fields {
         xadd.arg(*k).arg(*v);
     }

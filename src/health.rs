@@ -1,0 +1,108 @@
+//! Health and readiness of a worker or reconciler process, apart from the HTTP listener
+//! that serves them ([`crate::http`]):
+//! - [`Health`] (liveness): the process's main loop has turned recently. A Redis outage
+//!   does not fail it (the loop keeps turning while it retries); a stuck loop does.
+//! - [`Readiness`]: nothing of the process's work is failing on a transient Redis state,
+//!   Redis answers and, for a worker, its consumer can be registered in the group (a
+//!   write: refused under OOM, NOREPLICAS, MISCONF, READONLY).
+
+use std::{
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
+
+use crate::{
+    conn::RedisConn,
+    keys::{Keys, GROUP},
+    retry::Failing,
+};
+
+/// Liveness: when the main loop last turned.
+#[derive(Debug)]
+pub struct Health {
+    last_beat_ms: AtomicU64,
+    /// How long without a beat counts as stuck.
+    stall_after: Duration,
+}
+
+impl Health {
+    pub fn new(stall_after: Duration) -> Arc<Self> {
+        Arc::new(Health {
+            last_beat_ms: AtomicU64::new(crate::now_ms()),
+            stall_after,
+        })
+    }
+
+    /// Called by the main loop each time it turns.
+    pub fn beat(&self) {
+        self.last_beat_ms.store(crate::now_ms(), Ordering::Relaxed);
+    }
+
+    /// Milliseconds since the last beat.
+    pub fn silent_for_ms(&self) -> u64 {
+        crate::now_ms().saturating_sub(self.last_beat_ms.load(Ordering::Relaxed))
+    }
+
+    pub fn is_live(&self) -> bool {
+        self.silent_for_ms() <= self.stall_after.as_millis() as u64
+    }
+}
+
+/// Readiness: can this process do its job right now?
+///
+/// Not ready while any of its work is failing on a transient Redis state (see
+/// [`Failing`]: BUSY, LOADING, OOM, NOREPLICAS, MISCONF, READONLY, a refused connection...),
+/// while Redis does not answer PING, and, for a worker, while its consumer cannot be
+/// registered in the group.
+#[derive(Clone)]
+pub struct Readiness {
+    pub conn: RedisConn,
+    pub keys: Keys,
+    /// A worker's consumer name; None for the reconciler. The worker's probe runs
+    /// `XGROUP CREATECONSUMER` for it: a write (flagged `denyoom`) that changes nothing
+    /// when the consumer exists, so Redis refuses it in every state that refuses the
+    /// worker's writes (OOM, NOREPLICAS, MISCONF, READONLY) and when the group is gone,
+    /// even while the worker has nothing to do. (A consumer removed by consumer expiry is
+    /// registered again, as the worker itself does between reads.)
+    pub consumer: Option<String>,
+    /// The work of this process failing right now.
+    pub failing: Arc<Failing>,
+}
+
+impl Readiness {
+    pub async fn check(&self) -> Result<(), String> {
+        if let Some((what, error)) = self.failing.any() {
+            return Err(format!("{what} failing: {error}"));
+        }
+        let mut c = self.conn.clone();
+        let check = async {
+            let _: String = redis::cmd("PING")
+                .query_async(&mut c)
+                .await
+                .map_err(|e| format!("redis: {e}"))?;
+            if let Some(consumer) = &self.consumer {
+                let registered: redis::RedisResult<i64> = redis::cmd("XGROUP")
+                    .arg("CREATECONSUMER")
+                    .arg(self.keys.events())
+                    .arg(GROUP)
+                    .arg(consumer)
+                    .query_async(&mut c)
+                    .await;
+                match registered {
+                    Ok(_) => {}
+                    Err(e) if e.code() == Some("NOGROUP") => {
+                        return Err(format!("consumer group {GROUP} does not exist yet"))
+                    }
+                    Err(e) => return Err(format!("consumer group: {e}")),
+                }
+            }
+            Ok(())
+        };
+        tokio::time::timeout(Duration::from_secs(2), check)
+            .await
+            .unwrap_or_else(|_| Err("redis did not answer within 2 s".into()))
+    }
+}
