@@ -211,17 +211,6 @@ fn walk(bytes: &[u8], max_depth: usize) -> Result<(), Walk> {
     let mut pos = 0usize;
     // Values still to read at each open level (the document itself is one value).
     let mut pending: Vec<u64> = vec![1];
-    let take = |pos: &mut usize, n: usize| -> Result<u64, String> {
-        let end = pos
-            .checked_add(n)
-            .filter(|&e| e <= bytes.len())
-            .ok_or("truncated")?;
-        let v = bytes[*pos..end]
-            .iter()
-            .fold(0u64, |acc, &b| (acc << 8) | u64::from(b));
-        *pos = end;
-        Ok(v)
-    };
     loop {
         // 1: the document itself; 2: its elements (the document is checked to be a map,
         // whose elements count down from 2n, so an even count left means a key).
@@ -240,50 +229,11 @@ fn walk(bytes: &[u8], max_depth: usize) -> Result<(), Walk> {
         if marker == 0xc1 {
             return Err("invalid MessagePack marker 0xc1".into());
         }
-        if depth == 1 && kind(marker) != "map" {
-            return Err(Walk::Shape(EventError::NotNamedMap(format!(
-                "payload is a MessagePack {}; a map with named keys is required",
-                kind(marker)
-            ))));
-        }
         if is_top_key {
             top_keys += 1;
-            if kind(marker) != "string" {
-                return Err(Walk::Shape(EventError::NotNamedMap(format!(
-                    "key {top_keys} of the payload map is a MessagePack {}; keys must be strings (field names)",
-                    kind(marker)
-                ))));
-            }
         }
-        // (bytes of payload to skip, elements of a new level)
-        let (skip, children): (u64, u64) = match marker {
-            0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3 => (0, 0),
-            0x80..=0x8f => (0, u64::from(marker & 0x0f) * 2),
-            0x90..=0x9f => (0, u64::from(marker & 0x0f)),
-            0xa0..=0xbf => (u64::from(marker & 0x1f), 0),
-            0xc4 | 0xd9 => (take(&mut pos, 1)?, 0),
-            0xc5 | 0xda => (take(&mut pos, 2)?, 0),
-            0xc6 | 0xdb => (take(&mut pos, 4)?, 0),
-            0xc7 => (take(&mut pos, 1)? + 1, 0),
-            0xc8 => (take(&mut pos, 2)? + 1, 0),
-            0xc9 => (take(&mut pos, 4)? + 1, 0),
-            0xca => (4, 0),
-            0xcb => (8, 0),
-            0xcc | 0xd0 => (1, 0),
-            0xcd | 0xd1 => (2, 0),
-            0xce | 0xd2 => (4, 0),
-            0xcf | 0xd3 => (8, 0),
-            0xd4 => (2, 0),
-            0xd5 => (3, 0),
-            0xd6 => (5, 0),
-            0xd7 => (9, 0),
-            0xd8 => (17, 0),
-            0xdc => (0, take(&mut pos, 2)?),
-            0xdd => (0, take(&mut pos, 4)?),
-            0xde => (0, take(&mut pos, 2)? * 2),
-            0xdf => (0, take(&mut pos, 4)? * 2),
-            0xc1 => unreachable!("refused above"),
-        };
+        check_shape(marker, depth, is_top_key, top_keys)?;
+        let (skip, children) = sizes(marker, bytes, &mut pos)?;
         let remaining = (bytes.len() - pos) as u64;
         if skip > remaining || children > remaining {
             return Err(format!(
@@ -304,6 +254,70 @@ fn walk(bytes: &[u8], max_depth: usize) -> Result<(), Walk> {
         return Err(format!("{} bytes after the end of the payload", bytes.len() - pos).into());
     }
     Ok(())
+}
+
+/// The contract's shape: the document is a map, and its keys are strings (field names).
+fn check_shape(marker: u8, depth: usize, is_top_key: bool, top_keys: u64) -> Result<(), Walk> {
+    if depth == 1 && kind(marker) != "map" {
+        return Err(Walk::Shape(EventError::NotNamedMap(format!(
+            "payload is a MessagePack {}; a map with named keys is required",
+            kind(marker)
+        ))));
+    }
+    if is_top_key && kind(marker) != "string" {
+        return Err(Walk::Shape(EventError::NotNamedMap(format!(
+            "key {top_keys} of the payload map is a MessagePack {}; keys must be strings (field names)",
+            kind(marker)
+        ))));
+    }
+    Ok(())
+}
+
+/// The value a `marker` opens, read from its length header at `pos` (moved past it):
+/// (bytes of payload to skip, elements of a new level).
+fn sizes(marker: u8, bytes: &[u8], pos: &mut usize) -> Result<(u64, u64), Walk> {
+    let mut take = |n: usize| read_be(bytes, pos, n);
+    Ok(match marker {
+        0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3 => (0, 0),
+        0x80..=0x8f => (0, u64::from(marker & 0x0f) * 2),
+        0x90..=0x9f => (0, u64::from(marker & 0x0f)),
+        0xa0..=0xbf => (u64::from(marker & 0x1f), 0),
+        0xc4 | 0xd9 => (take(1)?, 0),
+        0xc5 | 0xda => (take(2)?, 0),
+        0xc6 | 0xdb => (take(4)?, 0),
+        0xc7 => (take(1)? + 1, 0),
+        0xc8 => (take(2)? + 1, 0),
+        0xc9 => (take(4)? + 1, 0),
+        0xca => (4, 0),
+        0xcb => (8, 0),
+        0xcc | 0xd0 => (1, 0),
+        0xcd | 0xd1 => (2, 0),
+        0xce | 0xd2 => (4, 0),
+        0xcf | 0xd3 => (8, 0),
+        0xd4 => (2, 0),
+        0xd5 => (3, 0),
+        0xd6 => (5, 0),
+        0xd7 => (9, 0),
+        0xd8 => (17, 0),
+        0xdc => (0, take(2)?),
+        0xdd => (0, take(4)?),
+        0xde => (0, take(2)? * 2),
+        0xdf => (0, take(4)? * 2),
+        0xc1 => return Err("invalid MessagePack marker 0xc1".into()),
+    })
+}
+
+/// A big-endian unsigned integer of `n` bytes at `pos` (moved past it).
+fn read_be(bytes: &[u8], pos: &mut usize, n: usize) -> Result<u64, Walk> {
+    let end = pos
+        .checked_add(n)
+        .filter(|&e| e <= bytes.len())
+        .ok_or("truncated")?;
+    let v = bytes[*pos..end]
+        .iter()
+        .fold(0u64, |acc, &b| (acc << 8) | u64::from(b));
+    *pos = end;
+    Ok(v)
 }
 
 fn check_len(field: &'static str, value: &str, min: usize, max: usize) -> Result<(), EventError> {

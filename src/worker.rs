@@ -37,12 +37,12 @@ use crate::{
     config::Settings,
     conn,
     error::{Error, Result},
-    event::{classify, Classified, Entry},
+    event::{classify, Classified, Entry, ServerDead, ServerId},
     health::{Health, Readiness},
     keys::Keys,
     maintenance,
     metrics::{outcome, Metrics},
-    retry::{policy, Failing, Watch},
+    retry::{policy, Episode, Failing, Watch},
     stream,
 };
 
@@ -202,22 +202,9 @@ impl Worker {
         loop {
             self.health.beat();
             while tasks.try_join_next().is_some() {}
-            // Waiting for a free permit still counts as turning (every permit may be busy
-            // with a long cleanup).
-            let first = loop {
-                tokio::select! {
-                    p = permits.clone().acquire_owned() => break p.expect("semaphore never closed"),
-                    _ = tokio::time::sleep(Duration::from_secs(1)) => self.health.beat(),
-                    _ = shutdown.cancelled() => return Ok(()),
-                }
-            };
-            let mut held = vec![first];
-            while let Ok(p) = permits.clone().try_acquire_owned() {
-                held.push(p);
-            }
-            if shutdown.is_cancelled() {
+            let Some(mut held) = self.free_permits(permits, shutdown).await else {
                 return Ok(());
-            }
+            };
             if last_claim.elapsed() >= claim_every {
                 last_claim = Instant::now();
                 held = match self
@@ -251,34 +238,76 @@ impl Worker {
                     backoff = policy().build();
                     entries
                 }
-                Err(e) if stream::is_no_group(&e) => {
-                    warn!("the events stream or its group is gone; creating it again");
-                    match watch
-                        .retrying("creating the consumer group", shutdown, || {
-                            stream::join_group(&self.conn, &self.keys, &self.consumer)
-                        })
-                        .await
+                Err(e) => {
+                    if self
+                        .after_failed_read(e, &mut backoff, &mut reading, shutdown)
+                        .await?
                     {
-                        Err(Error::Cancelled) => return Ok(()),
-                        other => other?,
+                        continue;
                     }
-                    continue;
+                    return Ok(());
                 }
-                Err(e) if e.is_retryable() => {
-                    self.metrics.redis_errors.inc();
-                    let wait = backoff.next().unwrap_or(Duration::from_secs(5));
-                    reading.failed(&e, wait);
-                    tokio::select! {
-                        _ = tokio::time::sleep(wait) => continue,
-                        _ = shutdown.cancelled() => return Ok(()),
-                    }
-                }
-                Err(e) => return Err(e),
             };
             for entry in entries {
                 let permit = held.pop().expect("no more entries than permits");
                 tasks.spawn(self.clone().handle(entry, None, permit, abandon.clone()));
             }
+        }
+    }
+
+    /// Every free permit, at least one: waits for the first (waiting still counts as
+    /// turning, since every permit may be busy with a long cleanup). None at shutdown.
+    async fn free_permits(
+        &self,
+        permits: &Arc<Semaphore>,
+        shutdown: &CancellationToken,
+    ) -> Option<Vec<OwnedSemaphorePermit>> {
+        let first = loop {
+            tokio::select! {
+                p = permits.clone().acquire_owned() => break p.expect("semaphore never closed"),
+                _ = tokio::time::sleep(Duration::from_secs(1)) => self.health.beat(),
+                _ = shutdown.cancelled() => return None,
+            }
+        };
+        let mut held = vec![first];
+        while let Ok(p) = permits.clone().try_acquire_owned() {
+            held.push(p);
+        }
+        (!shutdown.is_cancelled()).then_some(held)
+    }
+
+    /// After a failed read: a vanished stream or group is created again, a transient
+    /// state is waited out for the next `backoff` delay; anything else stops the worker
+    /// (Err). Ok(true) to read again, Ok(false) at shutdown.
+    async fn after_failed_read(
+        &self,
+        e: Error,
+        backoff: &mut impl Iterator<Item = Duration>,
+        reading: &mut Episode<'_>,
+        shutdown: &CancellationToken,
+    ) -> Result<bool> {
+        if stream::is_no_group(&e) {
+            warn!("the events stream or its group is gone; creating it again");
+            let joined = self
+                .watch()
+                .retrying("creating the consumer group", shutdown, || {
+                    stream::join_group(&self.conn, &self.keys, &self.consumer)
+                })
+                .await;
+            return match joined {
+                Err(Error::Cancelled) => Ok(false),
+                other => other.map(|()| true),
+            };
+        }
+        if !e.is_retryable() {
+            return Err(e);
+        }
+        self.metrics.redis_errors.inc();
+        let wait = backoff.next().unwrap_or(Duration::from_secs(5));
+        reading.failed(&e, wait);
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => Ok(true),
+            _ = shutdown.cancelled() => Ok(false),
         }
     }
 
@@ -393,43 +422,68 @@ impl Worker {
             Classified::Malformed(e) => self.dead_letter(&entry, &e.to_string(), &abandon).await,
             Classified::ServerDead(event, server) => {
                 let span = info_span!("server_dead", event_id = %event.event_id, server_id = %server, entry = %entry.id);
-                async {
-                    let started = Instant::now();
-                    let metrics = &self.metrics;
-                    let cleaning = self.cleaner.clean_event(&self.conn, &server, Some(&entry.id), &abandon, |step| {
-                        metrics.entries_deleted.inc_by(step.deleted);
-                        metrics.entries_kept.inc_by(step.kept);
-                    });
-                    let cleaned = tokio::select! {
-                        r = cleaning => r,
-                        never = self.keep_alive(&entry.id) => match never {},
-                    };
-                    match cleaned {
-                        Ok(report) => {
-                            // The cleanup acknowledges the entry itself, in (one node) or
-                            // right after (cluster) the step that finds nothing left.
-                            if report.acknowledged || self.ack(&entry.id, &abandon).await {
-                                let elapsed = started.elapsed();
-                                metrics.events.with_label_values(&[outcome::CLEANED]).inc();
-                                metrics.cleanup_seconds.observe(elapsed.as_secs_f64());
-                                let stale = crate::now_ms().saturating_sub(event.detected_at_ms);
-                                metrics.stale_window_seconds.observe(stale as f64 / 1000.0);
-                                info!(deleted = report.deleted, kept = report.kept, scanned = report.scanned, elapsed_ms = elapsed.as_millis() as u64, "server cleaned");
-                            }
-                        }
-                        Err(Error::Cancelled) => {
-                            metrics.events.with_label_values(&[outcome::ABANDONED]).inc();
-                            self.hand_off(&entry.id).await;
-                        }
-                        Err(e) => {
-                            metrics.events.with_label_values(&[outcome::FAILED]).inc();
-                            error!(error = %e, "cleanup failed; the entry stays pending and is retried after claim_min_idle_ms");
-                            self.cleaner.record_failure(&self.conn, &server, &e.to_string()).await;
-                        }
-                    }
+                self.clean(&entry, &event, &server, &abandon)
+                    .instrument(span)
+                    .await
+            }
+        }
+    }
+
+    /// Cleans the server of a `server.dead` entry, keeping the entry's idle time low while
+    /// it runs; counts and logs the outcome. The entry is acknowledged by the cleanup
+    /// itself (see [`Cleaner::clean_event`]), handed off at shutdown, or left pending
+    /// after a failure (with the error noted for its dead letter, should it come to that).
+    async fn clean(
+        &self,
+        entry: &Entry,
+        event: &ServerDead,
+        server: &ServerId,
+        abandon: &CancellationToken,
+    ) {
+        let started = Instant::now();
+        let metrics = &self.metrics;
+        let cleaning =
+            self.cleaner
+                .clean_event(&self.conn, server, Some(&entry.id), abandon, |step| {
+                    metrics.entries_deleted.inc_by(step.deleted);
+                    metrics.entries_kept.inc_by(step.kept);
+                });
+        let cleaned = tokio::select! {
+            r = cleaning => r,
+            never = self.keep_alive(&entry.id) => match never {},
+        };
+        match cleaned {
+            Ok(report) => {
+                // The cleanup acknowledges the entry itself, in (one node) or right after
+                // (cluster) the step that finds nothing left.
+                if report.acknowledged || self.ack(&entry.id, abandon).await {
+                    let elapsed = started.elapsed();
+                    metrics.events.with_label_values(&[outcome::CLEANED]).inc();
+                    metrics.cleanup_seconds.observe(elapsed.as_secs_f64());
+                    let stale = crate::now_ms().saturating_sub(event.detected_at_ms);
+                    metrics.stale_window_seconds.observe(stale as f64 / 1000.0);
+                    info!(
+                        deleted = report.deleted,
+                        kept = report.kept,
+                        scanned = report.scanned,
+                        elapsed_ms = elapsed.as_millis() as u64,
+                        "server cleaned"
+                    );
                 }
-                .instrument(span)
-                .await
+            }
+            Err(Error::Cancelled) => {
+                metrics
+                    .events
+                    .with_label_values(&[outcome::ABANDONED])
+                    .inc();
+                self.hand_off(&entry.id).await;
+            }
+            Err(e) => {
+                metrics.events.with_label_values(&[outcome::FAILED]).inc();
+                error!(error = %e, "cleanup failed; the entry stays pending and is retried after claim_min_idle_ms");
+                self.cleaner
+                    .record_failure(&self.conn, server, &e.to_string())
+                    .await;
             }
         }
     }

@@ -50,89 +50,120 @@ impl Cleaner {
         stop: &CancellationToken,
         mut on_step: impl FnMut(&Step),
     ) -> Result<Report> {
+        // This cleanup's failed attempts: any during a walk make it walk again.
         let errors =
             prometheus::IntCounter::new("cleanup_errors", "this cleanup's failed attempts")
                 .expect("valid counter");
-        let count_globally = |n: u64| {
+        let flush_errors = || {
             if let Some(global) = &self.errors {
-                global.inc_by(n);
+                global.inc_by(errors.get());
             }
+            errors.reset();
         };
         let mut report = Report::default();
         let mut epoch =
             retrying_counted("cluster epoch", stop, Some(&errors), || cluster_epoch(conn)).await?;
         loop {
             if stop.is_cancelled() {
-                count_globally(errors.get());
+                flush_errors();
                 return Err(Error::Cancelled);
             }
-            let (walk, at, next, members) =
-                retrying_counted("cleanup scan", stop, Some(&errors), || {
-                    self.cluster_scan(conn, server, epoch)
-                })
+            let (step, advanced) = self
+                .cluster_chunk(conn, server, &mut epoch, &errors, stop)
                 .await?;
-            let (deleted, kept) = retrying_counted("cleanup delete", stop, Some(&errors), || {
-                crate::forward::check_delete(conn, &self.keys, self.layout, server, &members)
-            })
-            .await?;
-            if next == "0" {
-                epoch =
-                    retrying_counted("cluster epoch", stop, Some(&errors), || cluster_epoch(conn))
-                        .await?;
-            }
-            let saw_errors = errors.get() > 0;
-            let chunk = Chunk {
-                walk: &walk,
-                at: &at,
-                next: &next,
-                scanned: members.len(),
-            };
-            let advanced = retrying_counted("cleanup advance", stop, Some(&errors), || {
-                self.cluster_advance(conn, server, &chunk, epoch, saw_errors)
-            })
-            .await?;
-            let step = Step {
-                done: advanced == "done",
-                scanned: members.len() as u64,
-                deleted,
-                kept,
-            };
             report.add(&step);
             on_step(&step);
             match advanced.as_str() {
                 "done" => {
-                    count_globally(errors.get());
-                    errors.reset();
-                    // The stream is in another slot: the acknowledgement follows the step.
-                    if let (Some(id), false) = (entry, report.acknowledged) {
-                        retrying_counted("acknowledging", stop, self.errors.as_ref(), || {
-                            crate::stream::ack(conn, &self.keys, id)
-                        })
-                        .await?;
-                        report.acknowledged = true;
-                    }
-                    // A member added between the last step and the acknowledgement (a
-                    // zombie, a registration in two steps) is walked now. S leaves
-                    // `servers` only after that: should this worker die before, the
-                    // reconciler still sees S and reports it again.
-                    let left = retrying_counted("cleanup check", stop, None, || {
-                        self.progress(conn, server)
-                    })
-                    .await?;
-                    if left.is_none() {
-                        self.leave_servers(conn, server, stop).await?;
+                    flush_errors();
+                    if self
+                        .finish_on_cluster(conn, server, entry, &mut report, stop)
+                        .await?
+                    {
                         return Ok(report);
                     }
                     tracing::info!(server_id = %server, "members were added to the reverse set as the cleanup finished: walking them");
                 }
                 "again" => {
-                    count_globally(errors.get());
-                    errors.reset();
+                    flush_errors();
                     tracing::info!(server_id = %server, "the cluster failed over (or errors were seen) during the walk: walking the set once more");
                 }
                 _ => {}
             }
         }
+    }
+
+    /// One chunk: scan (slot of `{S}`), check-and-delete (the entries' slots), and at the
+    /// end of a walk a fresh read of the epoch, then advance (slot of `{S}`). Returns the
+    /// step and what the advance said ('done', 'again', 'advanced' or 'raced').
+    async fn cluster_chunk(
+        &self,
+        conn: &RedisConn,
+        server: &ServerId,
+        epoch: &mut u64,
+        errors: &prometheus::IntCounter,
+        stop: &CancellationToken,
+    ) -> Result<(Step, String)> {
+        let (walk, at, next, members) =
+            retrying_counted("cleanup scan", stop, Some(errors), || {
+                self.cluster_scan(conn, server, *epoch)
+            })
+            .await?;
+        let (deleted, kept) = retrying_counted("cleanup delete", stop, Some(errors), || {
+            crate::forward::check_delete(conn, &self.keys, self.layout, server, &members)
+        })
+        .await?;
+        if next == "0" {
+            *epoch = retrying_counted("cluster epoch", stop, Some(errors), || cluster_epoch(conn))
+                .await?;
+        }
+        let chunk = Chunk {
+            walk: &walk,
+            at: &at,
+            next: &next,
+            scanned: members.len(),
+        };
+        let saw_errors = errors.get() > 0;
+        let advanced = retrying_counted("cleanup advance", stop, Some(errors), || {
+            self.cluster_advance(conn, server, &chunk, *epoch, saw_errors)
+        })
+        .await?;
+        let step = Step {
+            done: advanced == "done",
+            scanned: members.len() as u64,
+            deleted,
+            kept,
+        };
+        Ok((step, advanced))
+    }
+
+    /// After the step that found nothing left: the acknowledgement (the stream is in
+    /// another slot, so it follows the step), then one more check. A member added between
+    /// the last step and the acknowledgement (a zombie, a registration in two steps) is
+    /// walked next: returns false. S leaves `servers` only once nothing is left (true):
+    /// should this worker die before, the reconciler still sees S and reports it again.
+    async fn finish_on_cluster(
+        &self,
+        conn: &RedisConn,
+        server: &ServerId,
+        entry: Option<&str>,
+        report: &mut Report,
+        stop: &CancellationToken,
+    ) -> Result<bool> {
+        if let (Some(id), false) = (entry, report.acknowledged) {
+            retrying_counted("acknowledging", stop, self.errors.as_ref(), || {
+                crate::stream::ack(conn, &self.keys, id)
+            })
+            .await?;
+            report.acknowledged = true;
+        }
+        let left =
+            retrying_counted("cleanup check", stop, None, || self.progress(conn, server)).await?;
+        if left.is_some() {
+            return Ok(false);
+        }
+        self.leave_servers(conn, server, stop).await?;
+        Ok(true)
     }
 
     /// Once a cluster cleanup is done and acknowledged: S leaves `servers`.

@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 use super::{pause_or_stop, Reconciler, SweepReport};
 use crate::{
     config::Layout,
-    conn::{self},
+    conn::{self, RedisConn},
     error::Result,
     event::ServerId,
 };
@@ -29,85 +29,106 @@ impl Reconciler {
         stop: &CancellationToken,
     ) -> Result<SweepReport> {
         let mut report = SweepReport::default();
-        let watch = self.watch();
-        let pattern = crate::keys::pattern_under(&self.keys.user_key_prefix());
         match self.settings.layout {
-            Layout::Hash => {
-                let mut cursor = 0u64;
-                loop {
-                    let (next, flat): (u64, Vec<Vec<u8>>) = watch
-                        .retrying("drift sweep", stop, || async {
-                            Ok(redis::cmd("HSCAN")
-                                .arg(self.keys.registry())
-                                .arg(cursor)
-                                .arg("COUNT")
-                                .arg(self.settings.sweep_count)
-                                .query_async(&mut self.conn.clone())
-                                .await?)
-                        })
-                        .await?;
-                    let pairs: Vec<(Vec<u8>, Vec<u8>)> = flat
-                        .chunks_exact(2)
-                        .map(|p| (p[0].clone(), p[1].clone()))
-                        .collect();
-                    self.remove_entries_of_dead_owners(&pairs, &mut report, stop)
-                        .await?;
-                    if next == 0 {
-                        return Ok(report);
-                    }
-                    cursor = next;
-                    pause_or_stop(pause, stop).await?;
-                }
-            }
+            Layout::Hash => self.sweep_hash_on_cluster(pause, stop, &mut report).await?,
             Layout::Keys => {
-                let user_prefix = self.keys.user_key_prefix().into_bytes();
-                let masters = watch
+                let masters = self
+                    .watch()
                     .retrying("listing the cluster's masters", stop, || {
                         conn::cluster_masters(&self.conn)
                     })
                     .await?;
                 for (host, port) in masters {
                     let node = conn::shared(&conn::node_client(&self.settings, &host, port)?)?;
-                    let mut cursor = 0u64;
-                    loop {
-                        let (next, pairs) = watch
-                            .retrying("drift sweep", stop, || async {
-                                let (next, found) = crate::conn::scan_page(
-                                    &node,
-                                    cursor,
-                                    &pattern,
-                                    self.settings.sweep_count,
-                                    Some("string"),
-                                )
-                                .await?;
-                                // One GET per key, pipelined on this node's own connection.
-                                let gets = found
-                                    .iter()
-                                    .map(|k| redis::cmd("GET").arg(k).to_owned())
-                                    .collect();
-                                let owners: Vec<Option<Vec<u8>>> =
-                                    conn::each_in_flight(&node, gets).await?;
-                                let pairs: Vec<(Vec<u8>, Vec<u8>)> = found
-                                    .iter()
-                                    .zip(owners)
-                                    .filter_map(|(k, o)| {
-                                        Some((k.strip_prefix(user_prefix.as_slice())?.to_vec(), o?))
-                                    })
-                                    .collect();
-                                Ok((next, pairs))
-                            })
-                            .await?;
-                        self.remove_entries_of_dead_owners(&pairs, &mut report, stop)
-                            .await?;
-                        if next == 0 {
-                            break;
-                        }
-                        cursor = next;
-                        pause_or_stop(pause, stop).await?;
-                    }
+                    self.sweep_keys_on_node(&node, pause, stop, &mut report)
+                        .await?;
                 }
-                Ok(report)
             }
+        }
+        Ok(report)
+    }
+
+    /// Layout hash: HSCAN of `registry` (one key, one slot) through the cluster connection.
+    async fn sweep_hash_on_cluster(
+        &self,
+        pause: Duration,
+        stop: &CancellationToken,
+        report: &mut SweepReport,
+    ) -> Result<()> {
+        let watch = self.watch();
+        let mut cursor = 0u64;
+        loop {
+            let (next, flat): (u64, Vec<Vec<u8>>) = watch
+                .retrying("drift sweep", stop, || async {
+                    Ok(redis::cmd("HSCAN")
+                        .arg(self.keys.registry())
+                        .arg(cursor)
+                        .arg("COUNT")
+                        .arg(self.settings.sweep_count)
+                        .query_async(&mut self.conn.clone())
+                        .await?)
+                })
+                .await?;
+            let pairs: Vec<(Vec<u8>, Vec<u8>)> = flat
+                .chunks_exact(2)
+                .map(|p| (p[0].clone(), p[1].clone()))
+                .collect();
+            self.remove_entries_of_dead_owners(&pairs, report, stop)
+                .await?;
+            if next == 0 {
+                return Ok(());
+            }
+            cursor = next;
+            pause_or_stop(pause, stop).await?;
+        }
+    }
+
+    /// Layout keys: SCAN of `user:*` on one master over a connection of its own (SCAN is
+    /// per node), then one GET per key, pipelined on that connection.
+    async fn sweep_keys_on_node(
+        &self,
+        node: &RedisConn,
+        pause: Duration,
+        stop: &CancellationToken,
+        report: &mut SweepReport,
+    ) -> Result<()> {
+        let watch = self.watch();
+        let pattern = crate::keys::pattern_under(&self.keys.user_key_prefix());
+        let user_prefix = self.keys.user_key_prefix().into_bytes();
+        let mut cursor = 0u64;
+        loop {
+            let (next, pairs) = watch
+                .retrying("drift sweep", stop, || async {
+                    let (next, found) = conn::scan_page(
+                        node,
+                        cursor,
+                        &pattern,
+                        self.settings.sweep_count,
+                        Some("string"),
+                    )
+                    .await?;
+                    let gets = found
+                        .iter()
+                        .map(|k| redis::cmd("GET").arg(k).to_owned())
+                        .collect();
+                    let owners: Vec<Option<Vec<u8>>> = conn::each_in_flight(node, gets).await?;
+                    let pairs: Vec<(Vec<u8>, Vec<u8>)> = found
+                        .iter()
+                        .zip(owners)
+                        .filter_map(|(k, o)| {
+                            Some((k.strip_prefix(user_prefix.as_slice())?.to_vec(), o?))
+                        })
+                        .collect();
+                    Ok((next, pairs))
+                })
+                .await?;
+            self.remove_entries_of_dead_owners(&pairs, report, stop)
+                .await?;
+            if next == 0 {
+                return Ok(());
+            }
+            cursor = next;
+            pause_or_stop(pause, stop).await?;
         }
     }
 
