@@ -3,7 +3,7 @@
 //! still names the dead server, so a user who reconnected elsewhere keeps the new entry.
 //!
 //! `owners.lua` is the Lua prelude that every script reading forward entries starts with
-//! (owner lookup per layout, the batched delete, the server id rule): [`with_prelude`]
+//! (owner lookup per layout, the batched delete, the server id rule): `with_prelude`
 //! builds such a script.
 
 use std::sync::LazyLock;
