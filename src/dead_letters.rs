@@ -114,9 +114,9 @@ pub async fn replay(
         for id in ids {
             let e = read(conn, keys, 1, Some(id)).await?;
             if e.is_empty() {
-                return Err(Error::Setting {
-                    name: "ID".into(),
-                    reason: format!("no dead letter with id {id}"),
+                return Err(Error::NotFound {
+                    what: "dead letter",
+                    id: id.clone(),
                 });
             }
             found.extend(e);

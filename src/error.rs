@@ -41,6 +41,19 @@ pub enum Error {
     #[error("stopped by shutdown before the work was finished")]
     Cancelled,
 
+    /// What the user asked for does not exist (a dead-letter id given on the command line).
+    #[error("no {what} with id {id}")]
+    NotFound { what: &'static str, id: String },
+
+    /// A spawned task panicked or was cancelled before it returned.
+    #[error("a task failed: {0}")]
+    Task(#[from] tokio::task::JoinError),
+
+    /// A private `redis-server` (the testkit's, for the tests, the demo and the benchmark)
+    /// is missing, did not start, or a local cluster of them did not form.
+    #[error("local redis-server: {0}")]
+    LocalRedis(String),
+
     /// Local I/O (starting a private redis-server, reading a file).
     #[error("{context}: {source}")]
     Io {
@@ -67,7 +80,8 @@ impl Error {
         }
     }
 
-    pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+    /// An [`Error::Io`] with what was being done.
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         Error::Io {
             context: context.into(),
             source,
@@ -318,6 +332,22 @@ mod tests {
         assert!(!redis_error_is_retryable(&tls.into()));
         assert!(!Error::Cancelled.is_retryable());
         assert!(!Error::Protocol("x".into()).is_retryable());
+        // Errors of the user, of a task and of the local tooling: no waiting fixes them.
+        assert!(!Error::NotFound {
+            what: "dead letter",
+            id: "0-1".into()
+        }
+        .is_retryable());
+        assert!(!Error::LocalRedis("x".into()).is_retryable());
+        let join = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap()
+            .block_on(async {
+                let task = tokio::spawn(std::future::pending::<()>());
+                task.abort();
+                task.await.unwrap_err()
+            });
+        assert!(!Error::from(join).is_retryable());
     }
 
     /// Every code in the tables is classified as its table says, and no code is in both.
@@ -338,7 +368,7 @@ mod tests {
     /// refusal is transient.
     #[test]
     fn pipelines_and_transactions_are_classified_by_their_failed_commands() {
-        let server = crate::redis_server::RedisServer::start().unwrap();
+        let server = crate::testkit::RedisServer::start().unwrap();
         let mut c = redis::Client::open(server.url())
             .unwrap()
             .get_connection()

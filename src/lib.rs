@@ -27,17 +27,16 @@
 //! - [`registry`]: the connection-server side (register, unregister, heartbeat), used
 //!   by the demo and the tests.
 //! - [`dead_letters`]: listing, replaying and purging dead letters.
-//! - [`demo`]: the end-to-end demonstration; [`bench`]: the benchmark.
-//! - [`redis_server`]: starts a private `redis-server` (demo, benchmark, tests).
+//! - `testkit` (cargo feature `testkit`, on by default, off in the image): a private
+//!   `redis-server` on a free port and a local Redis Cluster, for the tests and for the
+//!   binary's `demo` and `bench`.
 //! - [`http`]: the /metrics, /healthz and /readyz listener.
 //! - [`conn`], [`retry`], [`metrics`], [`error`]: plumbing.
 
-pub mod bench;
 pub mod cleanup;
 pub mod config;
 pub mod conn;
 pub mod dead_letters;
-pub mod demo;
 pub mod error;
 pub mod event;
 pub mod forward;
@@ -47,11 +46,12 @@ pub mod keys;
 pub mod maintenance;
 pub mod metrics;
 pub mod reconcile;
-pub mod redis_server;
 pub mod registry;
 pub mod retry;
 pub mod status;
 pub mod stream;
+#[cfg(feature = "testkit")]
+pub mod testkit;
 pub mod worker;
 
 pub use error::{Error, Result};

@@ -1,7 +1,8 @@
 //! `registry-janitor status`: what an on-call engineer asks first. Is the group keeping
 //! up (lag, pending), who holds what (consumers), and did anything fail (dead letters)?
+//! The data only: the binary prints it (as text or JSON).
 
-use std::{collections::HashMap, fmt};
+use std::collections::HashMap;
 
 use redis::Value;
 
@@ -131,42 +132,5 @@ fn int(v: Option<&Value>) -> Option<u64> {
         Some(Value::Int(i)) => u64::try_from(*i).ok(),
         Some(Value::BulkString(b)) => std::str::from_utf8(b).ok()?.parse().ok(),
         _ => None,
-    }
-}
-
-impl fmt::Display for Status {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(
-            f,
-            "stream          {} ({} entries)",
-            self.stream, self.stream_length
-        )?;
-        if !self.group_exists {
-            writeln!(
-                f,
-                "group           {GROUP}: not created yet (no worker has started)"
-            )?;
-        } else {
-            let lag = self.lag.map_or("unknown".to_owned(), |l| l.to_string());
-            writeln!(
-                f,
-                "group           {GROUP}: lag {lag}, pending {}",
-                self.pending
-            )?;
-        }
-        writeln!(f, "consumers       {}", self.consumers.len())?;
-        for c in &self.consumers {
-            writeln!(
-                f,
-                "  {:<40} pending {:>6}  idle {:>8} ms",
-                c.name, c.pending, c.idle_ms
-            )?;
-        }
-        writeln!(f, "dead letters    {}", self.dead_letters)?;
-        write!(f, "servers known   {}", self.servers_known)?;
-        match self.servers_dead {
-            Some(dead) => writeln!(f, " ({dead} dead, not yet cleaned)"),
-            None => writeln!(f),
-        }
     }
 }

@@ -77,7 +77,7 @@ fn bench_verifies_every_run_keys_layout() {
 /// path): every run verified; the careful reference does not exist there.
 #[test]
 fn bench_verifies_every_run_on_a_local_cluster() {
-    if !registry_janitor::redis_server::RedisCluster::supported() {
+    if !registry_janitor::testkit::RedisCluster::supported() {
         eprintln!("SKIPPED: this redis-server cannot run a cluster");
         return;
     }

@@ -13,9 +13,9 @@ use registry_janitor::{
     conn::{self, RedisConn},
     keys::Keys,
     metrics::outcome,
-    redis_server::RedisCluster,
     registry::Registry,
     status,
+    testkit::RedisCluster,
 };
 
 struct ClusterFixture {

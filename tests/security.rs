@@ -10,7 +10,7 @@ use common::*;
 use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, DistinguishedName, DnType, IsCa, KeyPair,
 };
-use registry_janitor::{config::Layout, redis_server::RedisServer};
+use registry_janitor::{config::Layout, testkit::RedisServer};
 
 fn text(out: &Output) -> (String, String) {
     (

@@ -16,9 +16,9 @@ use registry_janitor::{
     event::{ServerDead, ServerId},
     keys::Keys,
     metrics::Metrics,
-    redis_server::RedisServer,
     registry::Registry,
     status, stream,
+    testkit::RedisServer,
     worker::Worker,
 };
 use tokio::task::JoinHandle;

@@ -17,45 +17,24 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::conn::RedisConn;
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::{seq::SliceRandom, Rng};
-use tokio_util::sync::CancellationToken;
-
-use crate::{
+use registry_janitor::{
     cleanup::Cleaner,
     config::{Layout, Settings},
-    conn,
+    conn::{self, RedisConn},
     error::{Error, Result},
     event::{ServerDead, ServerId},
     keys::Keys,
     metrics::Metrics,
-    redis_server::RedisServer,
     registry::Registry,
     status, stream,
+    testkit::RedisServer,
     worker::Worker,
 };
+use tokio_util::sync::CancellationToken;
 
-/// Demo size and shape.
-#[derive(Debug, Clone, clap::Args)]
-pub struct Options {
-    /// Connection servers to seed.
-    #[arg(long, default_value_t = 10)]
-    pub servers: usize,
-    /// Users per server.
-    #[arg(long, default_value_t = 100_000)]
-    pub users: usize,
-    /// Servers that die.
-    #[arg(long, default_value_t = 3)]
-    pub dead: usize,
-    /// Workers run in this process, each its own consumer in the group.
-    #[arg(long, default_value_t = 2)]
-    pub workers: usize,
-    /// Percent of a dead server's users that reconnect elsewhere: half before the event,
-    /// half while the cleanup runs.
-    #[arg(long, default_value_t = 1.0)]
-    pub moved_percent: f64,
-}
+use crate::cli::DemoOptions as Options;
 
 /// What the demo found when it verified the registry.
 #[derive(Debug, Clone, Default)]
@@ -156,7 +135,7 @@ async fn run_in(
     keys: &Keys,
 ) -> Result<Summary> {
     let registry = Registry::new(keys.clone(), settings.layout);
-    let epoch = crate::now_ms();
+    let epoch = registry_janitor::now_ms();
     let servers: Vec<ServerId> = (0..options.servers)
         .map(|i| ServerId::parse(&format!("demo-gw-{i}#{epoch}")).expect("valid id"))
         .collect();
@@ -210,10 +189,10 @@ async fn run_in(
     };
     wait_with_progress(conn, keys, dead, options.users as u64).await?;
     let elapsed = started.elapsed();
-    let racing = mover.await.map_err(|e| Error::Protocol(e.to_string()))??;
+    let racing = mover.await??;
     stop.cancel();
     for w in workers {
-        w.await.map_err(|e| Error::Protocol(e.to_string()))??;
+        w.await??;
     }
 
     let moved: HashMap<Vec<u8>, ServerId> = movers.iter().chain(racing.iter()).cloned().collect();
@@ -264,14 +243,13 @@ async fn find_redis(url: &str) -> Result<(String, Option<RedisServer>)> {
         return Ok((url.to_owned(), None));
     }
     if !RedisServer::available() {
-        return Err(Error::Protocol(format!(
-            "no Redis answers at {} and redis-server is not on PATH",
+        return Err(Error::LocalRedis(format!(
+            "no Redis answers at {} and redis-server is not on PATH. Point --redis-url \
+             (or JANITOR_REDIS_URL) at a Redis, or install redis-server:\n{INSTALL_REDIS}",
             conn::redact_url(url)
         )));
     }
-    let server = tokio::task::spawn_blocking(RedisServer::start)
-        .await
-        .map_err(|e| Error::Protocol(e.to_string()))??;
+    let server = tokio::task::spawn_blocking(RedisServer::start).await??;
     eprintln!(
         "no Redis answers at {}; started a private redis-server on 127.0.0.1:{} (stopped at the end)",
         conn::redact_url(url),
@@ -279,6 +257,13 @@ async fn find_redis(url: &str) -> Result<(String, Option<RedisServer>)> {
     );
     Ok((server.url(), Some(server)))
 }
+
+/// How to install redis-server on the common systems, for a user who has none.
+const INSTALL_REDIS: &str = "  Debian/Ubuntu: sudo apt-get install redis-server
+  Fedora/RHEL:   sudo dnf install redis
+  macOS:         brew install redis
+  Alpine:        apk add redis
+  Arch:          pacman -S redis";
 
 async fn seed(
     registry: &Registry,

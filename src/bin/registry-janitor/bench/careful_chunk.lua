@@ -1,0 +1,30 @@
+-- The bench's `careful` reference (the Redis CPU reference): one chunk of a dead server's
+-- users checked and deleted in one call, as a straightforward careful cleanup would.
+--
+-- KEYS[1] registry, or '' for layout keys
+-- KEYS[2] the dead server's reverse set
+-- ARGV[1] server id
+-- ARGV[2] layout: 'hash' or 'keys'
+-- ARGV[3] user key prefix (layout keys)
+-- ARGV[4..] users of the chunk
+-- Returns the number of forward entries deleted.
+local users = {}
+for i = 4, #ARGV do users[#users + 1] = ARGV[i] end
+local owners, doomed = nil, {}
+if ARGV[2] == 'hash' then owners = redis.call('HMGET', KEYS[1], unpack(users))
+else
+  local ks = {}
+  for i = 1, #users do ks[i] = ARGV[3] .. users[i] end
+  owners = redis.call('MGET', unpack(ks))
+end
+for i = 1, #users do
+  if owners[i] == ARGV[1] then
+    doomed[#doomed + 1] = (ARGV[2] == 'hash') and users[i] or (ARGV[3] .. users[i])
+  end
+end
+if #doomed > 0 then
+  if ARGV[2] == 'hash' then redis.call('HDEL', KEYS[1], unpack(doomed))
+  else redis.call('DEL', unpack(doomed)) end
+end
+redis.call('SREM', KEYS[2], unpack(users))
+return #doomed

@@ -1,0 +1,257 @@
+//! `registry-janitor bench`: how fast a dead server is cleaned, what it costs Redis, and
+//! what routing lookups feel meanwhile, against references measured in the same run.
+//!
+//! Every run seeds its own keys: one dead server with `users` users, `moved_percent` of
+//! them reconnected to a live server (they must survive), and the live server's own users
+//! (the lookup targets). Runs:
+//! - `janitor`: the real worker path: a `registry-janitor worker` child process, one
+//!   `server.dead` event in, its acknowledgement out. The child's peak RSS is the
+//!   worker's memory. A second, smaller janitor run (`baseline_users`) checks that memory
+//!   does not grow with the size of the dead server;
+//! - `unconditional` (the ceiling; wrong on purpose): SSCAN chunks of 1000 and a pipeline
+//!   of one HDEL (or DEL) per user, several chunks in flight, then UNLINK of the set;
+//! - `careful` (the reference for Redis CPU): SSCAN plus one EVALSHA per 1000-user chunk
+//!   (HMGET, compare, HDEL, SREM), one chunk at a time;
+//! - `naive`: HGET then HDEL per user, one round trip each, on a sample.
+//!
+//! During each run a separate connection issues a routing lookup (HGET/GET of a live
+//! user) every millisecond; Redis main-thread CPU comes from INFO cpu before and after.
+//!
+//! Here: the options' use, the runs' order and the ratios; [`runs`] the runs, [`scene`] the
+//! registry each run seeds and verifies, [`probe`] the measurements beside the work
+//! (lookup latencies, Redis CPU, peak RSS), [`report`] the table.
+
+mod probe;
+mod report;
+mod runs;
+mod scene;
+
+use std::path::{Path, PathBuf};
+
+use registry_janitor::{
+    config::{Layout, Settings},
+    conn::{self, RedisConn},
+    error::{Error, Result},
+    testkit::{RedisCluster, RedisServer},
+};
+use serde::Serialize;
+
+use crate::{cli::BenchOptions as Options, demo::local_redis};
+use runs::Reference;
+
+/// The figures of one run.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Run {
+    pub name: String,
+    pub users: usize,
+    pub seconds: f64,
+    pub users_per_second: f64,
+    pub redis_cpu_seconds: f64,
+    pub redis_cpu_us_per_user: f64,
+    pub lookups: usize,
+    pub lookup_p50_us: u64,
+    pub lookup_p99_us: u64,
+    pub lookup_max_us: u64,
+    /// Peak resident memory of the worker process (janitor runs only).
+    pub worker_peak_rss_bytes: Option<u64>,
+    /// Entries still pointing at the dead server afterwards (must be 0).
+    pub stale_left: u64,
+    /// Entries of moved or live users that are gone or wrong afterwards (must be 0).
+    pub live_lost: u64,
+}
+
+/// Ratios the targets are stated in.
+#[derive(Debug, Clone, Serialize)]
+pub struct Ratios {
+    /// janitor users/s over unconditional users/s (target >= 0.8).
+    pub throughput_vs_ceiling: f64,
+    /// janitor Redis CPU per user over careful's (target <= 0.75); none on a cluster,
+    /// where the careful reference (one script over two slots) cannot run.
+    pub redis_cpu_vs_careful: Option<f64>,
+    /// janitor users/s over naive users/s (target >= 15).
+    pub speedup_vs_naive: f64,
+    /// janitor peak RSS at `users` over at `baseline_users` (target <= 1.2).
+    pub memory_growth: Option<f64>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub redis_version: String,
+    pub layout: String,
+    pub chunk_size: usize,
+    pub chunks_in_flight: usize,
+    /// The median run of each kind (by users per second), then the single runs.
+    pub runs: Vec<Run>,
+    /// Every repetition of janitor, careful and unconditional, in the order run.
+    pub repeats: Vec<Run>,
+    pub ratios: Ratios,
+}
+
+/// Runs the benchmark; `worker_exe` is the `registry-janitor` binary to start workers from.
+pub async fn run(settings: &Settings, options: &Options, worker_exe: &Path) -> Result<Report> {
+    let (settings, _private) = bench_redis(settings, options).await?;
+    let conn = conn::shared_for(&conn::target_for(&settings)?).await?;
+    let redis_version = probe::redis_version(&settings, &conn).await?;
+    let root = format!(
+        "{}janitor-bench:{}:",
+        settings.key_prefix,
+        ulid::Ulid::new()
+    );
+    let bench = Bench {
+        settings: &settings,
+        conn: &conn,
+        root: &root,
+        options,
+        worker_exe,
+    };
+    let result = all_runs(&bench).await;
+    conn::delete_prefixed(&settings, &conn, &root).await?;
+    let (runs, repeats) = result?;
+    Ok(Report {
+        redis_version,
+        layout: layout_name(settings.layout).into(),
+        chunk_size: settings.chunk_size,
+        chunks_in_flight: settings.chunks_in_flight,
+        ratios: ratios(&runs),
+        runs,
+        repeats,
+    })
+}
+
+/// What every run of one benchmark shares.
+struct Bench<'a> {
+    settings: &'a Settings,
+    conn: &'a RedisConn,
+    /// The key prefix under which every run seeds its own keys.
+    root: &'a str,
+    options: &'a Options,
+    worker_exe: &'a Path,
+}
+
+/// Every run, in order: janitor, careful (single node) and unconditional interleaved
+/// `repeat` times, then the janitor baseline and the naive sample. Returns the runs of
+/// the report (medians first) and every repetition.
+async fn all_runs(b: &Bench<'_>) -> Result<(Vec<Run>, Vec<Run>)> {
+    let (mut runs, mut repeats) = (Vec::new(), Vec::new());
+    let users = b.options.users;
+    for _ in 0..b.options.repeat.max(1) {
+        repeats.push(runs::janitor_run(b, "janitor", users).await?);
+        if !b.settings.redis_cluster {
+            repeats.push(runs::reference_run(b, Reference::Careful, users).await?);
+        }
+        repeats.push(runs::reference_run(b, Reference::Unconditional, users).await?);
+    }
+    for name in ["janitor", "unconditional", "careful"] {
+        if repeats.iter().any(|r| r.name == name) {
+            runs.push(median(&repeats, name));
+        }
+    }
+    if b.options.baseline_users > 0 {
+        let users = b.options.baseline_users;
+        runs.push(runs::janitor_run(b, "janitor_baseline", users).await?);
+    }
+    let naive = b.options.naive_sample;
+    runs.push(runs::reference_run(b, Reference::Naive, naive).await?);
+    Ok((runs, repeats))
+}
+
+/// The ratios the targets are stated in, from the report's runs.
+fn ratios(runs: &[Run]) -> Ratios {
+    let get = |name: &str| {
+        runs.iter()
+            .find(|r| r.name == name)
+            .cloned()
+            .unwrap_or_default()
+    };
+    let (janitor, ceiling, careful, naive) = (
+        get("janitor"),
+        get("unconditional"),
+        get("careful"),
+        get("naive"),
+    );
+    Ratios {
+        throughput_vs_ceiling: janitor.users_per_second / ceiling.users_per_second.max(1e-9),
+        redis_cpu_vs_careful: (careful.users > 0)
+            .then(|| janitor.redis_cpu_us_per_user / careful.redis_cpu_us_per_user.max(1e-9)),
+        speedup_vs_naive: janitor.users_per_second / naive.users_per_second.max(1e-9),
+        memory_growth: runs
+            .iter()
+            .find(|r| r.name == "janitor_baseline")
+            .and_then(|b| {
+                Some(janitor.worker_peak_rss_bytes? as f64 / b.worker_peak_rss_bytes? as f64)
+            }),
+    }
+}
+
+/// The median of the runs called `name`, field by field (each figure its own median;
+/// correctness figures are the worst seen, so a failure in any repetition shows).
+fn median(runs: &[Run], name: &str) -> Run {
+    let of: Vec<&Run> = runs.iter().filter(|r| r.name == name).collect();
+    let mid_f = |f: fn(&Run) -> f64| {
+        let mut v: Vec<f64> = of.iter().map(|r| f(r)).collect();
+        v.sort_by(|a, b| a.total_cmp(b));
+        v.get(v.len() / 2).copied().unwrap_or(0.0)
+    };
+    let mid_u = |f: fn(&Run) -> u64| {
+        let mut v: Vec<u64> = of.iter().map(|r| f(r)).collect();
+        v.sort_unstable();
+        v.get(v.len() / 2).copied().unwrap_or(0)
+    };
+    Run {
+        name: name.into(),
+        users: of.first().map_or(0, |r| r.users),
+        seconds: mid_f(|r| r.seconds),
+        users_per_second: mid_f(|r| r.users_per_second),
+        redis_cpu_seconds: mid_f(|r| r.redis_cpu_seconds),
+        redis_cpu_us_per_user: mid_f(|r| r.redis_cpu_us_per_user),
+        lookups: mid_u(|r| r.lookups as u64) as usize,
+        lookup_p50_us: mid_u(|r| r.lookup_p50_us),
+        lookup_p99_us: mid_u(|r| r.lookup_p99_us),
+        // The worst stall of any repetition: a stall target is about the worst case.
+        lookup_max_us: of.iter().map(|r| r.lookup_max_us).max().unwrap_or(0),
+        worker_peak_rss_bytes: of.iter().filter_map(|r| r.worker_peak_rss_bytes).max(),
+        stale_left: of.iter().map(|r| r.stale_left).max().unwrap_or(0),
+        live_lost: of.iter().map(|r| r.live_lost).max().unwrap_or(0),
+    }
+}
+
+/// Keeps a private Redis (node or cluster) alive for the benchmark's duration.
+#[allow(dead_code)] // the fields are held for their Drop (which stops the servers)
+enum Private {
+    Node(Option<RedisServer>),
+    Cluster(RedisCluster),
+}
+
+/// The Redis the benchmark runs on: a private local cluster with `--local-cluster`, the
+/// configured cluster with `redis_cluster`, else the configured node or a private one.
+async fn bench_redis(settings: &Settings, options: &Options) -> Result<(Settings, Private)> {
+    if options.local_cluster {
+        let cluster = tokio::task::spawn_blocking(|| RedisCluster::start(3, 0)).await??;
+        eprintln!(
+            "started a private Redis Cluster of 3 masters on this machine: {:?}",
+            cluster.seeds()
+        );
+        let mut settings = settings.clone();
+        settings.redis_cluster = true;
+        settings.redis_url = cluster.url();
+        settings.redis_cluster_seeds = cluster.seeds();
+        return Ok((settings, Private::Cluster(cluster)));
+    }
+    if settings.redis_cluster {
+        return Ok((settings.clone(), Private::Node(None)));
+    }
+    let (settings, private) = local_redis(settings).await?;
+    Ok((settings, Private::Node(private)))
+}
+
+pub(crate) fn layout_name(layout: Layout) -> &'static str {
+    match layout {
+        Layout::Hash => "hash",
+        Layout::Keys => "keys",
+    }
+}
+
+/// The running binary, to start bench workers from.
+pub fn current_exe() -> Result<PathBuf> {
+    std::env::current_exe().map_err(|e| Error::io("locating the registry-janitor binary", e))
+}

@@ -1,0 +1,111 @@
+//! The report as a table: one line per run, then the targets and how each run compares.
+
+use std::fmt;
+
+use super::{Report, Run};
+
+impl Report {
+    fn run(&self, name: &str) -> Option<&Run> {
+        self.runs.iter().find(|r| r.name == name)
+    }
+
+    /// The header and one line per run.
+    fn table(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "redis {} | layout {} | chunk_size {} | chunks_in_flight {}",
+            self.redis_version, self.layout, self.chunk_size, self.chunks_in_flight
+        )?;
+        writeln!(
+            f,
+            "{:<17} {:>9} {:>8} {:>11} {:>9} {:>10} {:>8} {:>8} {:>8} {:>9} {:>6} {:>5}",
+            "run",
+            "users",
+            "seconds",
+            "users/s",
+            "cpu s",
+            "cpu us/u",
+            "p50 us",
+            "p99 us",
+            "max us",
+            "rss MiB",
+            "stale",
+            "lost"
+        )?;
+        for r in &self.runs {
+            writeln!(
+                f,
+                "{:<17} {:>9} {:>8.2} {:>11.0} {:>9.2} {:>10.2} {:>8} {:>8} {:>8} {:>9} {:>6} {:>5}",
+                r.name,
+                r.users,
+                r.seconds,
+                r.users_per_second,
+                r.redis_cpu_seconds,
+                r.redis_cpu_us_per_user,
+                r.lookup_p50_us,
+                r.lookup_p99_us,
+                r.lookup_max_us,
+                r.worker_peak_rss_bytes.map_or("-".into(), |b| format!("{:.1}", b as f64 / 1048576.0)),
+                r.stale_left,
+                r.live_lost
+            )?;
+        }
+        writeln!(
+            f,
+            "(janitor, unconditional and careful: medians of {} interleaved repetitions; max us is the worst of them)",
+            self.repeats.iter().filter(|r| r.name == "janitor").count()
+        )
+    }
+
+    /// Each target, and where the janitor stands.
+    fn targets(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let r = &self.ratios;
+        let max_stall = self.run("janitor").map_or(0, |j| j.lookup_max_us);
+        let rss = self
+            .run("janitor")
+            .and_then(|j| j.worker_peak_rss_bytes)
+            .unwrap_or(0);
+        writeln!(f, "targets:")?;
+        writeln!(
+            f,
+            "  throughput vs unconditional ceiling {:>6.2}x  (target >= 0.8)",
+            r.throughput_vs_ceiling
+        )?;
+        match r.redis_cpu_vs_careful {
+            Some(x) => writeln!(f, "  Redis CPU per user vs careful        {x:>6.2}x  (target <= 0.75)")?,
+            None => writeln!(f, "  Redis CPU per user vs careful             -  (no careful reference on a cluster)")?,
+        }
+        writeln!(
+            f,
+            "  max lookup stall                     {:>6.1} ms (target < 15)",
+            max_stall as f64 / 1000.0
+        )?;
+        writeln!(
+            f,
+            "  worker peak memory                   {:>6.1} MB (target < 50)",
+            rss as f64 / 1e6
+        )?;
+        match r.memory_growth {
+            Some(g) => writeln!(
+                f,
+                "  memory growth vs baseline run        {g:>6.2}x  (target <= 1.2)"
+            )?,
+            None => writeln!(
+                f,
+                "  memory growth vs baseline run             -  (skipped)"
+            )?,
+        }
+        writeln!(
+            f,
+            "  speed-up vs naive per-user loop      {:>6.1}x  (target >= 15)",
+            r.speedup_vs_naive
+        )
+    }
+}
+
+impl fmt::Display for Report {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.table(f)?;
+        self.targets(f)
+    }
+}

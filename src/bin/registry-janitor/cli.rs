@@ -1,0 +1,190 @@
+//! The command line: every flag and subcommand (clap derive lives here and only here).
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+use registry_janitor::config::Overrides;
+
+#[derive(Parser)]
+#[command(
+    name = "registry-janitor",
+    version,
+    about = "Cleans a Redis connection registry after connection servers die"
+)]
+pub struct Cli {
+    /// TOML settings file (also JANITOR_CONFIG).
+    #[arg(long, global = true, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Setting `redis_url`.
+    #[arg(long, global = true)]
+    redis_url: Option<String>,
+    /// Setting `key_prefix`.
+    #[arg(long, global = true)]
+    key_prefix: Option<String>,
+    /// Setting `layout`: hash or keys.
+    #[arg(long, global = true)]
+    layout: Option<String>,
+    /// Setting `chunk_size`.
+    #[arg(long, global = true)]
+    chunk_size: Option<usize>,
+    /// Setting `concurrency`.
+    #[arg(long, global = true)]
+    concurrency: Option<usize>,
+    /// Setting `consumer_name`.
+    #[arg(long, global = true)]
+    consumer_name: Option<String>,
+    /// Setting `metrics_addr` (host:port or off).
+    #[arg(long, global = true)]
+    metrics_addr: Option<String>,
+    /// Setting `log_format`: text or json.
+    #[arg(long, global = true)]
+    log_format: Option<String>,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+impl Cli {
+    /// The settings given as flags, which override the file and the environment.
+    pub fn overrides(&self) -> Overrides {
+        Overrides {
+            redis_url: self.redis_url.clone(),
+            key_prefix: self.key_prefix.clone(),
+            layout: self.layout.clone(),
+            chunk_size: self.chunk_size,
+            concurrency: self.concurrency,
+            consumer_name: self.consumer_name.clone(),
+            metrics_addr: self.metrics_addr.clone(),
+            log_format: self.log_format.clone(),
+        }
+    }
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Join the consumer group and clean dead servers until SIGTERM or SIGINT.
+    Worker,
+    /// The reconciliation worker: heartbeat checks, expiry hints, drift repair.
+    Reconcile {
+        /// Run one pass and exit.
+        #[arg(long)]
+        once: bool,
+    },
+    /// Publish one event, as monitoring does; prints the entry id.
+    Emit {
+        #[command(subcommand)]
+        event: EmitEvent,
+    },
+    /// Stream length, group lag, pending entries, consumers, dead letters.
+    Status {
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Inspect, replay and purge the dead-letter stream.
+    DeadLetters {
+        #[command(subcommand)]
+        action: DeadLettersAction,
+    },
+    /// The whole story on one machine: seed, kill servers, clean, verify.
+    Demo(DemoOptions),
+    /// The throughput and latency benchmark, with references measured in the same run.
+    Bench(BenchOptions),
+}
+
+#[derive(Subcommand)]
+pub enum DeadLettersAction {
+    /// List dead letters with the reason each failed, oldest first.
+    List {
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        count: usize,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Publish dead letters again on the events stream (after a fix), and remove them.
+    Replay {
+        /// Dead-letter ids to replay.
+        ids: Vec<String>,
+        /// Replay every dead letter.
+        #[arg(long, conflicts_with = "ids")]
+        all: bool,
+    },
+    /// Delete dead letters for good.
+    Purge {
+        /// Dead-letter ids to delete.
+        ids: Vec<String>,
+        /// Delete every dead letter.
+        #[arg(long, conflicts_with = "ids")]
+        all: bool,
+        /// Confirms the deletion; nothing is deleted without it.
+        #[arg(long)]
+        yes: bool,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum EmitEvent {
+    /// Publish `server.dead` for SERVER_ID.
+    ServerDead {
+        server_id: String,
+        /// Free text, e.g. "heartbeat timeout".
+        #[arg(long)]
+        reason: Option<String>,
+        /// Who emits it (default: cli).
+        #[arg(long, default_value = "cli")]
+        source: String,
+    },
+}
+
+// Parsed in every build; run only in one with the `testkit` feature.
+/// Demo size and shape.
+#[derive(Debug, Clone, clap::Args)]
+#[cfg_attr(not(feature = "testkit"), allow(dead_code))]
+pub struct DemoOptions {
+    /// Connection servers to seed.
+    #[arg(long, default_value_t = 10)]
+    pub servers: usize,
+    /// Users per server.
+    #[arg(long, default_value_t = 100_000)]
+    pub users: usize,
+    /// Servers that die.
+    #[arg(long, default_value_t = 3)]
+    pub dead: usize,
+    /// Workers run in this process, each its own consumer in the group.
+    #[arg(long, default_value_t = 2)]
+    pub workers: usize,
+    /// Percent of a dead server's users that reconnect elsewhere: half before the event,
+    /// half while the cleanup runs.
+    #[arg(long, default_value_t = 1.0)]
+    pub moved_percent: f64,
+}
+
+// Parsed in every build; run only in one with the `testkit` feature.
+/// Benchmark size and shape.
+#[derive(Debug, Clone, clap::Args)]
+#[cfg_attr(not(feature = "testkit"), allow(dead_code))]
+pub struct BenchOptions {
+    /// Users on the dead server.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub users: usize,
+    /// Percent of them reconnected to a live server before the cleanup (must survive).
+    #[arg(long, default_value_t = 1.0)]
+    pub moved_percent: f64,
+    /// Users of the naive per-user loop (it is slow: a sample is enough for its rate).
+    #[arg(long, default_value_t = 20_000)]
+    pub naive_sample: usize,
+    /// Users of the second janitor run, for the memory-growth ratio (0 skips it).
+    #[arg(long, default_value_t = 100_000)]
+    pub baseline_users: usize,
+    /// Times each of janitor, unconditional and careful is run (interleaved); the report
+    /// gives the median run of each, so one noisy run cannot decide a ratio.
+    #[arg(long, default_value_t = 3)]
+    pub repeat: usize,
+    /// Run on a private local Redis Cluster of 3 masters (all on this machine) instead.
+    #[arg(long)]
+    pub local_cluster: bool,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+}

@@ -1,0 +1,94 @@
+//! What `status`, `dead-letters` and `emit` print: text for people, JSON for scripts.
+//! Presentation only; the library collects the data.
+
+use std::fmt;
+
+use registry_janitor::{dead_letters::DeadLetter, keys::GROUP, status::Status};
+
+/// `emit`: the new entry's id, alone on its line.
+pub fn emitted(id: &str) {
+    println!("{id}");
+}
+
+/// `status`: the report as text, or as pretty JSON.
+pub fn status(report: &Status, json: bool) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(report)?);
+    } else {
+        print!("{}", StatusText(report));
+    }
+    Ok(())
+}
+
+/// `dead-letters list`: one block per dead letter and a count, or pretty JSON.
+pub fn dead_letters(letters: &[DeadLetter], json: bool) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(letters)?);
+        return Ok(());
+    }
+    for d in letters {
+        println!(
+            "{}  type={}  server_id={}  failed_at_ms={}\n    error: {}",
+            d.id,
+            d.kind.as_deref().unwrap_or("-"),
+            d.server_id.as_deref().unwrap_or("-"),
+            d.failed_at_ms.map_or("-".into(), |t| t.to_string()),
+            d.error
+        );
+    }
+    println!("{} dead letter(s) shown", letters.len());
+    Ok(())
+}
+
+/// `dead-letters replay`: `old -> new` per replayed dead letter.
+pub fn replayed(pairs: &[(String, String)]) {
+    for (old, new) in pairs {
+        println!("{old} -> {new}");
+    }
+}
+
+/// `dead-letters purge`.
+pub fn purged(n: u64) {
+    println!("{n} dead letter(s) purged");
+}
+
+/// The status as an on-call engineer reads it.
+struct StatusText<'a>(&'a Status);
+
+impl fmt::Display for StatusText<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = self.0;
+        writeln!(
+            f,
+            "stream          {} ({} entries)",
+            s.stream, s.stream_length
+        )?;
+        if !s.group_exists {
+            writeln!(
+                f,
+                "group           {GROUP}: not created yet (no worker has started)"
+            )?;
+        } else {
+            let lag = s.lag.map_or("unknown".to_owned(), |l| l.to_string());
+            writeln!(
+                f,
+                "group           {GROUP}: lag {lag}, pending {}",
+                s.pending
+            )?;
+        }
+        writeln!(f, "consumers       {}", s.consumers.len())?;
+        for c in &s.consumers {
+            writeln!(
+                f,
+                "  {:<40} pending {:>6}  idle {:>8} ms",
+                c.name, c.pending, c.idle_ms
+            )?;
+        }
+        writeln!(f, "dead letters    {}", s.dead_letters)?;
+        write!(f, "servers known   {}", s.servers_known)?;
+        match s.servers_dead {
+            Some(dead) => writeln!(f, " ({dead} dead, not yet cleaned)"),
+            None => writeln!(f),
+        }
+    }
+}

@@ -1,0 +1,157 @@
+//! A local Redis Cluster of private `redis-server` processes (for tests and for trying
+//! cluster mode on one machine), stopped when dropped.
+
+use std::{
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use super::RedisServer;
+use crate::error::{Error, Result};
+
+/// A local Redis Cluster of `redis-server` processes on free ports (for tests and for
+/// trying cluster mode on one machine), stopped when dropped.
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    /// True when `redis-server` can run in cluster mode and `redis-cli` can create one.
+    pub fn supported() -> bool {
+        let cli = Command::new("redis-cli")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        cli && RedisServer::start_with(&["--cluster-enabled", "yes"]).is_ok()
+    }
+
+    /// Starts `masters` masters with `replicas` replicas each, and waits until the
+    /// cluster reports `cluster_state:ok` on every node.
+    pub fn start(masters: usize, replicas: usize) -> Result<Self> {
+        let args = [
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-node-timeout",
+            "1000",
+            // A replica of a fresh cluster may look out of date (pings every 10 s) and
+            // refuse to take over; on one test machine it never is.
+            "--cluster-replica-validity-factor",
+            "0",
+            // Replicas sync at once (not after the default 5 s), so that a test can kill
+            // a master soon after start and its replica has the data.
+            "--repl-diskless-sync-delay",
+            "0",
+        ];
+        let nodes = (0..masters * (1 + replicas))
+            .map(|_| RedisServer::start_with(&args))
+            .collect::<Result<Vec<_>>>()?;
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port()))
+            .collect();
+        let out = Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(&addrs)
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
+            .output()
+            .map_err(|e| Error::io("running redis-cli --cluster create", e))?;
+        if !out.status.success() {
+            return Err(Error::LocalRedis(format!(
+                "redis-cli --cluster create failed: {}",
+                String::from_utf8_lossy(&out.stdout)
+            )));
+        }
+        let cluster = RedisCluster { nodes };
+        cluster.wait_ok(Duration::from_secs(30))?;
+        Ok(cluster)
+    }
+
+    /// The URL of the first node (a seed).
+    pub fn url(&self) -> String {
+        self.nodes[0].url()
+    }
+
+    /// URLs of all nodes, for `redis_cluster_seeds`.
+    pub fn seeds(&self) -> Vec<String> {
+        self.nodes.iter().map(RedisServer::url).collect()
+    }
+
+    /// Waits until every running node says the cluster is healthy and all slots are
+    /// served.
+    pub fn wait_ok(&self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let healthy = self.nodes.iter().filter(|n| n.child.is_some()).all(|n| {
+                let info = n.query_text(redis::cmd("CLUSTER").arg("INFO"));
+                let nodes = n.query_text(redis::cmd("CLUSTER").arg("NODES"));
+                // A failed node that still owns slots: its replica has not taken over yet.
+                let failed_with_slots = nodes.is_none_or(|text| {
+                    text.lines().any(|l| {
+                        let fields: Vec<&str> = l.split(' ').collect();
+                        fields.get(2).is_some_and(|flags| flags.contains("fail"))
+                            && fields.len() > 8
+                    })
+                });
+                let replication = n.query_text(redis::cmd("INFO").arg("replication"));
+                // A replica counts once its link to its master is up (its data is there).
+                let in_sync = replication.is_some_and(|r| {
+                    r.contains("role:master") || r.contains("master_link_status:up")
+                });
+                in_sync
+                    && !failed_with_slots
+                    && info.is_some_and(|i| {
+                        i.contains("cluster_state:ok") && i.contains("cluster_slots_ok:16384")
+                    })
+            });
+            if healthy {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(Error::LocalRedis(
+                    "the cluster did not become healthy in time".into(),
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// The node index of the master that serves `key`'s slot now.
+    pub fn master_of(&self, key: &[u8]) -> Option<usize> {
+        for (i, node) in self
+            .nodes
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| n.child.is_some())
+        {
+            let mut c = redis::Client::open(node.url())
+                .ok()?
+                .get_connection()
+                .ok()?;
+            let reply: redis::RedisResult<String> = redis::cmd("GET").arg(key).query(&mut c);
+            match reply {
+                Err(e) if e.code() == Some("MOVED") || e.code() == Some("ASK") => continue,
+                // A replica answers MOVED too; a nil or value reply means this master serves it.
+                _ => {
+                    let role: String = redis::cmd("ROLE")
+                        .query::<Vec<redis::Value>>(&mut c)
+                        .ok()
+                        .and_then(|r| match r.first() {
+                        Some(redis::Value::BulkString(b)) => {
+                            Some(String::from_utf8_lossy(b).into_owned())
+                        }
+                        _ => None,
+                    })?;
+                    if role == "master" {
+                        return Some(i);
+                    }
+                }
+            }
+        }
+        None
+    }
+}

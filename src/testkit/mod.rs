@@ -1,0 +1,12 @@
+//! The test harness (cargo feature `testkit`): a private `redis-server` on a free port
+//! ([`RedisServer`]) and a local Redis Cluster of them ([`RedisCluster`]).
+//!
+//! The tests start one each, so they never depend on a Redis of the machine or on a fixed
+//! port; the binary's `demo` and `bench` start one when no Redis answers at `redis_url`.
+//! Not part of the service: the image is built with `--no-default-features`, without it.
+
+mod cluster;
+mod server;
+
+pub use cluster::RedisCluster;
+pub use server::RedisServer;

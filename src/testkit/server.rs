@@ -1,0 +1,177 @@
+//! A private `redis-server` on a free loopback port, stopped when dropped.
+//!
+//! Persistence is off and the log goes to a file in a temporary directory, so a failing
+//! test can show it.
+
+use std::{
+    net::TcpListener,
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use crate::error::{Error, Result};
+
+/// A running `redis-server` child process.
+pub struct RedisServer {
+    pub(super) child: Option<Child>,
+    port: u16,
+    /// Holds the log file (and nothing else: no persistence); removed on drop.
+    dir: tempfile::TempDir,
+    /// Extra `redis-server` arguments, kept so a restart brings back the same server.
+    args: Vec<String>,
+}
+
+impl RedisServer {
+    /// True when `redis-server` can be run from PATH.
+    pub fn available() -> bool {
+        Command::new("redis-server")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+
+    /// Starts a server with default options.
+    pub fn start() -> Result<Self> {
+        Self::start_with(&[])
+    }
+
+    /// Starts a server with extra arguments, e.g. `["--notify-keyspace-events", "Ex"]`.
+    pub fn start_with(args: &[&str]) -> Result<Self> {
+        let mut dir = tempfile::tempdir().map_err(|e| Error::io("creating a temporary dir", e))?;
+        let mut last_error = None;
+        // A port found free can be taken by someone else before redis-server binds it.
+        for _ in 0..5 {
+            let port = free_port()?;
+            let mut server = RedisServer {
+                child: None,
+                port,
+                dir,
+                args: args.iter().map(|s| s.to_string()).collect(),
+            };
+            match server.spawn() {
+                Ok(()) => return Ok(server),
+                Err(e) => {
+                    last_error = Some(e);
+                    dir = std::mem::replace(
+                        &mut server.dir,
+                        tempfile::tempdir()
+                            .map_err(|e| Error::io("creating a temporary dir", e))?,
+                    );
+                }
+            }
+        }
+        Err(last_error.expect("at least one attempt"))
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// The server's log so far (for failure messages).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+
+    /// Kills the server with SIGKILL, like a crash. Its data is gone (no persistence).
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server again on the same port, after [`RedisServer::kill`].
+    pub fn restart(&mut self) -> Result<()> {
+        self.kill();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match self.spawn() {
+                Ok(()) => return Ok(()),
+                Err(e) if Instant::now() > deadline => return Err(e),
+                Err(_) => std::thread::sleep(Duration::from_millis(100)),
+            }
+        }
+    }
+
+    /// A command's text reply from this server over a fresh connection, or None.
+    pub(super) fn query_text(&self, cmd: &redis::Cmd) -> Option<String> {
+        let client = redis::Client::open(self.url()).ok()?;
+        let mut c = client
+            .get_connection_with_timeout(Duration::from_millis(200))
+            .ok()?;
+        cmd.query(&mut c).ok()
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.dir.path().join("redis.log")
+    }
+
+    fn spawn(&mut self) -> Result<()> {
+        let child = Command::new("redis-server")
+            .args(["--port", &self.port.to_string()])
+            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .arg("--logfile")
+            .arg(self.log_path())
+            .args(&self.args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| Error::io("starting redis-server (is it installed?)", e))?;
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let client = redis::Client::open(self.url())?;
+        loop {
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                self.child = None;
+                return Err(Error::LocalRedis(format!(
+                    "redis-server exited with {status} at start; log:\n{}",
+                    self.log()
+                )));
+            }
+            let pong = client
+                .get_connection_with_timeout(Duration::from_millis(200))
+                .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c));
+            // A server started with --requirepass answers, with NOAUTH: it is up.
+            if pong.is_ok() || pong.as_ref().is_err_and(|e| e.code() == Some("NOAUTH")) {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                self.kill();
+                return Err(Error::LocalRedis(format!(
+                    "redis-server did not answer within 10 s; log:\n{}",
+                    self.log()
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn free_port() -> Result<u16> {
+    let listener =
+        TcpListener::bind("127.0.0.1:0").map_err(|e| Error::io("finding a free port", e))?;
+    listener
+        .local_addr()
+        .map(|a| a.port())
+        .map_err(|e| Error::io("finding a free port", e))
+}
