@@ -130,7 +130,7 @@ pub async fn replay(
             // Two slots, no script: a crash between the two leaves the dead letter in place
             // too; replaying it again is harmless, the cleanup is idempotent.
             let mut xadd = redis::cmd("XADD");
-            xadd.arg(keys.events()).arg("*");
+            xadd.arg(keys.events()).arg(crate::keys::ids::AUTO);
             for (k, v) in &fields {
                 xadd.arg(k).arg(v);
             }

@@ -10,28 +10,52 @@
 //!
 //!  monitoring ── XADD registry:events type=server.dead payload=<msgpack> ──┐
 //!                                                                          ▼
-//!  worker (consumer group `registry-janitor`) ── SSCAN chunk + check-and-delete (Lua)
-//!        ── until server:{S}:users is gone, ZREM servers S ── XACK
-//!        └─ malformed ─► registry:events:dead (+ error, failed_at_ms), XACK
+//!  worker (consumer group `registry-janitor`)
+//!        ── RENAME server:{S}:users → server:{S}:walking, then per chunk:
+//!           SSCAN + check-and-delete of the forward entries (one Lua step)
+//!        ── the step that finds nothing left: ZREM servers S, XACK
+//!        └─ malformed ─► registry:events:dead (+ error, failed_at_ms), then XACK
 //! ```
 //!
+//! # The path of one event
+//! [`worker::Worker::run`] joins the group and loops in `read_loop` (worker/mod.rs):
+//! [`stream::read_new`] takes entries off the stream, and each one goes to `handle`
+//! (worker/entry.rs), which classifies it ([`event::classify`]). A `server.dead` is
+//! cleaned by [`cleanup::Cleaner::clean_event`]: on one node `cleanup/single.rs` runs
+//! `clean_step.lua` until a step finds nothing left and XACKs inside that step; on a
+//! cluster `cleanup/cluster.rs` runs scan, [`forward::check_delete`] and advance per
+//! chunk, then XACKs ([`stream::ack`]).
+//!
 //! # Layout
-//! - [`keys`]: every key name, in one place.
+//! - [`keys`]: every key name and special stream id, in one place.
 //! - [`config`]: settings (defaults file, `JANITOR_*`, flags) and their checks.
-//! - [`event`]: the `server.dead` payload, its encoding and validation.
-//! - [`stream`]: the events stream and the group (read, ack, claim, dead letters).
-//! - [`cleanup`]: cleaning one dead server, step by step, in Lua.
-//! - [`worker`]: the consumer loop, takeover of idle entries, drain on shutdown.
+//! - [`event`]: the `server.dead` payload, its encoding, structural check and validation.
+//! - [`stream`]: the events stream and the group (read, ack, claim, hand-off, dead letters).
+//! - [`worker`]: the consumer loop, takeover of idle entries, drain on shutdown
+//!   (`mod.rs`); one entry from takeover to its end (`entry.rs`).
+//! - [`cleanup`]: cleaning one dead server (`single.rs` on one node, `cluster.rs` on a
+//!   cluster, each next to its Lua).
+//! - [`forward`]: the atomic check-and-delete of forward entries and the Lua prelude,
+//!   shared by the cleanup and the reconciler's drift sweep.
+//! - [`reconcile`]: the reconciler: the heartbeat pass (`pass.rs`), expiry hints
+//!   (`hints.rs`), the drift sweep on one node (`sweep.rs`) and on a cluster
+//!   (`sweep_cluster.rs`).
 //! - [`maintenance`]: stream retention and removal of gone consumers.
-//! - [`reconcile`]: the reconciler (dead servers from heartbeats, expiry hints, drift).
 //! - [`registry`]: the connection-server side (register, unregister, heartbeat), used
-//!   by the demo and the tests.
-//! - [`dead_letters`]: listing, replaying and purging dead letters.
+//!   by connection servers in Rust, the demo and the tests.
+//! - [`dead_letters`]: listing, replaying and purging dead letters; [`status`]: what
+//!   `status` reports.
+//! - [`health`]: liveness and readiness, shared by the worker and the reconciler;
+//!   [`http`]: the /metrics, /healthz and /readyz listener.
+//! - [`conn`] (one node or a cluster; `conn/cluster.rs`: masters, node clients, epoch),
+//!   [`retry`], [`metrics`], [`error`]: plumbing.
 //! - `testkit` (cargo feature `testkit`, on by default, off in the image): a private
 //!   `redis-server` on a free port and a local Redis Cluster, for the tests and for the
 //!   binary's `demo` and `bench`.
-//! - [`http`]: the /metrics, /healthz and /readyz listener.
-//! - [`conn`], [`retry`], [`metrics`], [`error`]: plumbing.
+//!
+//! The command line is the binary, `src/bin/registry-janitor/`: `main.rs` parses,
+//! sets up logging and signals, loads the settings and calls one function per command
+//! (`commands.rs`); `output.rs` prints; `demo.rs` and `bench/` are its tooling.
 
 pub mod cleanup;
 pub mod config;
