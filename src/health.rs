@@ -7,9 +7,10 @@
 //!   write: refused under OOM, NOREPLICAS, MISCONF, READONLY).
 
 use std::{
+    collections::BTreeMap,
     sync::{
         atomic::{AtomicU64, Ordering},
-        Arc,
+        Arc, Mutex,
     },
     time::Duration,
 };
@@ -17,7 +18,6 @@ use std::{
 use crate::{
     conn::RedisConn,
     keys::{Keys, GROUP},
-    retry::Failing,
 };
 
 /// Liveness: when the main loop last turned.
@@ -104,5 +104,57 @@ impl Readiness {
         tokio::time::timeout(Duration::from_secs(2), check)
             .await
             .unwrap_or_else(|_| Err("redis did not answer within 2 s".into()))
+    }
+}
+
+/// The work of one process that is failing right now on a transient error, with the
+/// last error of each: `/readyz` answers 503 while anything is. Keyed by what the work
+/// is ("reading events", "reconcile pass"); several tasks doing the same work count
+/// separately, so the work recovers when the last of them does.
+#[derive(Debug, Default)]
+pub struct Failing {
+    now: Mutex<BTreeMap<String, (usize, String)>>,
+}
+
+impl Failing {
+    pub fn new() -> Arc<Self> {
+        Arc::default()
+    }
+
+    /// One more task of `what` is failing; true if `what` was not failing before.
+    pub(crate) fn start(&self, what: &str, error: String) -> bool {
+        let mut now = self.now.lock().expect("not poisoned");
+        let entry = now.entry(what.to_owned()).or_insert((0, String::new()));
+        entry.0 += 1;
+        entry.1 = error;
+        entry.0 == 1
+    }
+
+    pub(crate) fn update(&self, what: &str, error: String) {
+        if let Some(entry) = self.now.lock().expect("not poisoned").get_mut(what) {
+            entry.1 = error;
+        }
+    }
+
+    /// One task of `what` stopped failing; true if no task of `what` fails any more.
+    pub(crate) fn end(&self, what: &str) -> bool {
+        let mut now = self.now.lock().expect("not poisoned");
+        match now.get_mut(what) {
+            Some(entry) if entry.0 > 1 => {
+                entry.0 -= 1;
+                false
+            }
+            Some(_) => {
+                now.remove(what);
+                true
+            }
+            None => true,
+        }
+    }
+
+    /// Something failing now and its last error, if anything is.
+    pub fn any(&self) -> Option<(String, String)> {
+        let now = self.now.lock().expect("not poisoned");
+        now.iter().next().map(|(w, (_, e))| (w.clone(), e.clone()))
     }
 }

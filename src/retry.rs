@@ -8,12 +8,7 @@
 //! or OOM is turning, not stuck: `/healthz` stays 200), and marks the work as failing in
 //! [`Failing`], which `/readyz` reads (503 while anything is failing).
 
-use std::{
-    collections::BTreeMap,
-    future::Future,
-    sync::{Arc, Mutex},
-    time::Duration,
-};
+use std::{future::Future, sync::Arc, time::Duration};
 
 use backon::{BackoffBuilder, ExponentialBuilder};
 use tokio_util::sync::CancellationToken;
@@ -21,7 +16,7 @@ use tracing::{info, warn};
 
 use crate::{
     error::{Error, Result},
-    health::Health,
+    health::{Failing, Health},
 };
 
 /// The backoff used everywhere: 50 ms doubling to at most 5 s, with jitter, forever
@@ -136,58 +131,6 @@ where
             _ = tokio::time::sleep(wait) => {}
             _ = token.cancelled() => return Err(Error::Cancelled),
         }
-    }
-}
-
-/// The work of one process that is failing right now on a transient error, with the
-/// last error of each: `/readyz` answers 503 while anything is. Keyed by what the work
-/// is ("reading events", "reconcile pass"); several tasks doing the same work count
-/// separately, so the work recovers when the last of them does.
-#[derive(Debug, Default)]
-pub struct Failing {
-    now: Mutex<BTreeMap<String, (usize, String)>>,
-}
-
-impl Failing {
-    pub fn new() -> Arc<Self> {
-        Arc::default()
-    }
-
-    /// One more task of `what` is failing; true if `what` was not failing before.
-    fn start(&self, what: &str, error: String) -> bool {
-        let mut now = self.now.lock().expect("not poisoned");
-        let entry = now.entry(what.to_owned()).or_insert((0, String::new()));
-        entry.0 += 1;
-        entry.1 = error;
-        entry.0 == 1
-    }
-
-    fn update(&self, what: &str, error: String) {
-        if let Some(entry) = self.now.lock().expect("not poisoned").get_mut(what) {
-            entry.1 = error;
-        }
-    }
-
-    /// One task of `what` stopped failing; true if no task of `what` fails any more.
-    fn end(&self, what: &str) -> bool {
-        let mut now = self.now.lock().expect("not poisoned");
-        match now.get_mut(what) {
-            Some(entry) if entry.0 > 1 => {
-                entry.0 -= 1;
-                false
-            }
-            Some(_) => {
-                now.remove(what);
-                true
-            }
-            None => true,
-        }
-    }
-
-    /// Something failing now and its last error, if anything is.
-    pub fn any(&self) -> Option<(String, String)> {
-        let now = self.now.lock().expect("not poisoned");
-        now.iter().next().map(|(w, (_, e))| (w.clone(), e.clone()))
     }
 }
 

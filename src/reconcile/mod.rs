@@ -31,10 +31,10 @@ use crate::{
     conn,
     error::{Error, Result},
     event::ServerId,
-    health::{Health, Readiness},
+    health::{Failing, Health, Readiness},
     keys::Keys,
     metrics::Metrics,
-    retry::{Failing, Watch},
+    retry::Watch,
 };
 
 mod hints;

@@ -39,11 +39,11 @@ use crate::{
     config::Settings,
     conn,
     error::{Error, Result},
-    health::{Health, Readiness},
+    health::{Failing, Health, Readiness},
     keys::Keys,
     maintenance,
     metrics::Metrics,
-    retry::{policy, Episode, Failing, Watch},
+    retry::{policy, Episode, Watch},
     stream,
 };
 
