@@ -274,3 +274,23 @@ async fn worker_processes_clean_many_dead_servers_while_users_reconnect() {
         assert_eq!(code.and_then(|c| c.code()), Some(0), "{log}");
     }
 }
+
+/// Text logs that go to a file or a pipe (as under Kubernetes) carry no terminal colour
+/// codes; the log collector would store them as text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_logs_to_a_file_have_no_colour_codes() {
+    let f = Fixture::new(Layout::Hash);
+    let worker = WorkerProcess::start(&f.settings);
+    wait_until(
+        &f.redis,
+        "the worker's first log line",
+        Duration::from_secs(30),
+        || async { worker.log().contains("worker starting") },
+    )
+    .await;
+    let log = worker.log();
+    assert!(
+        !log.contains('\u{1b}'),
+        "colour codes in a log file:\n{log}"
+    );
+}

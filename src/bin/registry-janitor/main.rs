@@ -67,8 +67,11 @@ async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
 fn init_logging(settings: &Settings, default_level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
+    // Colours only on a terminal: a file or a pipe (Kubernetes' log collector) gets text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(ansi)
         .with_writer(std::io::stderr);
     match settings.log_format {
         LogFormat::Json => builder.json().init(),
