@@ -212,6 +212,11 @@ async fn a_master_killed_mid_cleanup_fails_over_and_the_cleanup_finishes() {
         .cluster
         .master_of(f.keys.server_users(&dead).as_bytes())
         .expect("a master serves the slot");
+    // The replica holds the data but for the last moment's writes (which the failover
+    // may lose, and the cleanup must redo), not an empty dataset of a resync in progress.
+    f.cluster
+        .wait_replica_caught_up(victim, 1 << 20, Duration::from_secs(30))
+        .expect("the replica catches up");
     f.cluster.nodes[victim].kill();
     f.cluster
         .wait_ok(Duration::from_secs(30))
@@ -545,6 +550,9 @@ async fn a_takeover_after_a_failover_walks_the_set_again() {
         .into_iter()
         .find(|m| !keep.contains(&Some(*m)))
         .expect("a master that holds neither the set nor the stream");
+    f.cluster
+        .wait_replica_caught_up(victim, 1 << 20, Duration::from_secs(30))
+        .expect("the replica catches up");
     f.cluster.nodes[victim].kill();
     f.cluster
         .wait_ok(Duration::from_secs(30))

@@ -120,6 +120,52 @@ impl RedisCluster {
         }
     }
 
+    /// Waits until node `master` has a replica that is online and caught up (its last
+    /// acknowledged offset within `max_lag_bytes` of the master's), so that a test that
+    /// kills the master next knows its replica holds the data, but for the writes of the
+    /// last moment. Under load a replica can be in the middle of a full resync, with an
+    /// empty or old dataset: a failover to it loses far more than asynchronous
+    /// replication ever promises, and no test of the janitor is about that.
+    pub fn wait_replica_caught_up(
+        &self,
+        master: usize,
+        max_lag_bytes: u64,
+        timeout: Duration,
+    ) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let info = self.nodes[master]
+                .query_text(redis::cmd("INFO").arg("replication"))
+                .unwrap_or_default();
+            let field = |line: &str, name: &str| -> Option<u64> {
+                line.split(',')
+                    .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))?
+                    .trim()
+                    .parse()
+                    .ok()
+            };
+            let master_offset: Option<u64> = info
+                .lines()
+                .find_map(|l| l.strip_prefix("master_repl_offset:"))
+                .and_then(|v| v.trim().parse().ok());
+            let caught_up = master_offset.is_some_and(|m| {
+                info.lines()
+                    .filter(|l| l.starts_with("slave") && l.contains("state=online"))
+                    .filter_map(|l| field(l.split_once(':')?.1, "offset"))
+                    .any(|o| m.saturating_sub(o) <= max_lag_bytes)
+            });
+            if caught_up {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(Error::LocalRedis(format!(
+                    "no replica of node {master} caught up in time:\n{info}"
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// The node index of the master that serves `key`'s slot now.
     pub fn master_of(&self, key: &[u8]) -> Option<usize> {
         for (i, node) in self
