@@ -460,7 +460,7 @@ async fn dead_letters_are_written_and_replayed_on_a_cluster() {
 }
 
 /// Users registered on a dead server while a worker walks its reverse set on a cluster
-/// (a zombie writing in two steps: SADD, then the forward entry): every one whose
+/// (a zombie writing in two steps: the forward entry, then SADD): every one whose
 /// registration finished while the event was unacknowledged is gone once it is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn registrations_during_the_walk_are_cleaned_on_a_cluster() {

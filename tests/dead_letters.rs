@@ -27,13 +27,7 @@ async fn list_replay_and_purge_dead_letters() {
     stream::publish_event(&f.conn, &f.keys, &big.encode())
         .await
         .unwrap();
-    stream::publish(
-        &f.conn,
-        &f.keys.events(),
-        &[(b"type", b"server.dead"), (b"payload", b"\x00junk")],
-    )
-    .await
-    .unwrap();
+    f.publish_junk().await;
     let worker = spawn_worker(&f.settings);
     f.wait_idle().await;
     worker.stop().await;
@@ -150,13 +144,7 @@ async fn an_entry_is_acknowledged_only_once_its_dead_letter_is_written() {
         )
         .await;
     stream::ensure_group(&f.conn, &f.keys).await.unwrap();
-    let id = stream::publish(
-        &f.conn,
-        &f.keys.events(),
-        &[(b"type", b"server.dead"), (b"payload", b"\x00junk")],
-    )
-    .await
-    .unwrap();
+    let id = f.publish_junk().await;
     let worker = spawn_worker(&f.settings);
     // Delivered, then taken over again after its dead letter failed (or, wrongly,
     // acknowledged without one; or the worker stopped on the error).
@@ -186,7 +174,7 @@ async fn an_entry_is_acknowledged_only_once_its_dead_letter_is_written() {
     assert_eq!(pending(&f, &id).await, None);
     let letters = f.dead_letters().await;
     assert_eq!(letters.len(), 1);
-    assert_eq!(letters[0].field("payload"), Some(b"\x00junk".as_slice()));
+    assert_eq!(letters[0].field("payload"), Some(JUNK_PAYLOAD));
     worker.stop().await;
 }
 
@@ -208,13 +196,7 @@ async fn delivered(f: &Fixture, id: &str) -> bool {
 async fn a_dead_letter_is_removed_only_once_its_replay_is_written() {
     use registry_janitor::dead_letters;
     let f = Fixture::new(Layout::Hash);
-    stream::publish(
-        &f.conn,
-        &f.keys.events(),
-        &[(b"type", b"server.dead"), (b"payload", b"\x00junk")],
-    )
-    .await
-    .unwrap();
+    f.publish_junk().await;
     let worker = spawn_worker(&f.settings);
     f.wait_idle().await;
     worker.stop().await;
@@ -250,10 +232,7 @@ async fn a_dead_letter_is_removed_only_once_its_replay_is_written() {
     assert!(f.dead_letters().await.is_empty());
     let events = read_stream(&f.conn, &f.keys.events()).await;
     assert_eq!(events.len(), events_before.len() + 1);
-    assert_eq!(
-        events.last().unwrap().field("payload"),
-        Some(b"\x00junk".as_slice())
-    );
+    assert_eq!(events.last().unwrap().field("payload"), Some(JUNK_PAYLOAD));
 }
 
 /// `purge --all` on a dead-letter key that is not a stream fails and deletes nothing

@@ -242,13 +242,7 @@ async fn each_role_runs_the_flow_with_only_its_acl_rules() {
         .unwrap();
     assert!(out.status.success(), "emitter: {:?}", text(&out));
     // A malformed entry: the worker dead-letters it, the operator replays and purges it.
-    registry_janitor::stream::publish(
-        &f.conn,
-        &f.keys.events(),
-        &[(b"type", b"server.dead"), (b"payload", b"\x00junk")],
-    )
-    .await
-    .unwrap();
+    f.publish_junk().await;
     let out = janitor(&as_role("janitor-reconciler"))
         .args(["reconcile", "--once"])
         .output()

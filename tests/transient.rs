@@ -277,9 +277,8 @@ async fn wait_cleaned(f: &Fixture, servers: &[&ServerId], users: usize, p: &Proc
 fn assert_one_line_per_change(log: &str, episodes: usize) {
     let mut failing: BTreeMap<String, usize> = BTreeMap::new();
     let mut recovered: BTreeMap<String, usize> = BTreeMap::new();
+    // Worker logs go to a file: no colour codes (cli::text_logs_to_a_file_*).
     for line in log.lines() {
-        let line = without_colours(line);
-        let line = line.as_str();
         if let Some(at) = line.find(" failing, retrying with backoff") {
             let what = line[..at].rsplit(": ").next().unwrap().to_owned();
             *failing.entry(what).or_default() += 1;
@@ -301,25 +300,6 @@ fn assert_one_line_per_change(log: &str, episodes: usize) {
             recovered.get(what)
         );
     }
-}
-
-/// A log line without its ANSI colour codes.
-fn without_colours(line: &str) -> String {
-    let mut out = String::with_capacity(line.len());
-    let mut chars = line.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            // ESC [ ... m
-            for c in chars.by_ref() {
-                if c == 'm' {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
 }
 
 const USERS: usize = 300;

@@ -49,6 +49,9 @@ pub fn redis_with(args: &[&str]) -> RedisServer {
     RedisServer::start_with(args).expect("start redis-server")
 }
 
+/// The payload of [`Fixture::publish_junk`].
+pub const JUNK_PAYLOAD: &[u8] = b"\x00junk";
+
 /// A key prefix no other test uses.
 pub fn prefix() -> String {
     format!("t{}:", ulid::Ulid::new())
@@ -144,6 +147,18 @@ impl Fixture {
 
     pub async fn query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> T {
         cmd.query_async(&mut self.conn.clone()).await.unwrap()
+    }
+
+    /// Publishes a `server.dead` whose payload is not MessagePack: a worker dead-letters
+    /// it. Returns the entry id.
+    pub async fn publish_junk(&self) -> String {
+        stream::publish(
+            &self.conn,
+            &self.keys.events(),
+            &[(b"type", b"server.dead"), (b"payload", JUNK_PAYLOAD)],
+        )
+        .await
+        .unwrap()
     }
 
     pub async fn dead_letters(&self) -> Vec<registry_janitor::event::Entry> {
