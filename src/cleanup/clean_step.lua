@@ -98,6 +98,10 @@ if redis.call('EXISTS', walking_key) == 0 then
   redis.call('RENAME', users_key, walking_key)
   -- HDEL takes no memory: a new walk starts from cursor 0 even in 'pop' mode.
   redis.call('HDEL', progress_key, 'walk_cursor', 'walk_run_id')
+  -- While anything of S is left to walk, S stays in `servers` (score kept if it has one):
+  -- a walk that started after another step had finished S (members a zombie added) and
+  -- was then abandoned is reported again by the reconciler, not left forever.
+  redis.pcall('ZADD', servers_key, 'NX', 0, server)
 end
 
 local members, walked

@@ -31,12 +31,14 @@ impl Worker {
         abandon: &CancellationToken,
     ) -> Result<Vec<OwnedSemaphorePermit>> {
         let watch = self.watch();
-        // Re-registers this worker if consumer expiry removed it while it sat idle.
-        watch
-            .retrying("registering the consumer", shutdown, || {
-                stream::register_consumer(&self.conn, &self.keys, &self.consumer)
-            })
-            .await?;
+        // Re-registers this worker if consumer expiry removed it while it sat idle. One
+        // try, not a retry loop: XGROUP CREATECONSUMER is refused under OOM (even when the
+        // consumer exists), and waiting on it here would stop this worker from reading
+        // and taking over events while Redis is full; XAUTOCLAIM and XREADGROUP create the
+        // consumer anyway.
+        if let Err(e) = stream::register_consumer(&self.conn, &self.keys, &self.consumer).await {
+            debug!(error = %e, "registering the consumer failed; the next read or claim does it");
+        }
         let claimed = watch
             .retrying("taking over idle entries", shutdown, || {
                 stream::autoclaim(
