@@ -223,3 +223,39 @@ async fn a_late_failure_note_leaves_no_key_behind() {
         .await;
     assert_eq!(left, 0, "a janitor key outlived the cleanup");
 }
+
+/// A walk that starts after S was finished (members a zombie added), then is abandoned,
+/// leaves S in `servers`, so that the reconciler reports it again: the set being walked
+/// is never left to nobody.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_walk_started_after_the_finish_keeps_the_server_reported() {
+    let f = Fixture::new(Layout::Hash);
+    let dead = server("gw-dead#1");
+    f.seed(&dead, 20).await;
+    let cleaner = Cleaner::new(f.keys.clone(), Layout::Hash, 2, 1);
+    cleaner
+        .clean(&f.conn, &dead, &CancellationToken::new(), |_| {})
+        .await
+        .unwrap();
+    let score = || async {
+        let s: Option<f64> = f
+            .query(
+                redis::cmd("ZSCORE")
+                    .arg(f.keys.servers())
+                    .arg(dead.as_str()),
+            )
+            .await;
+        s
+    };
+    assert_eq!(score().await, None, "a clean server leaves `servers`");
+    for n in 0..10 {
+        f.reconnect(format!("zombie-{n}").as_bytes(), &dead).await;
+    }
+    // One step of a new walk, then the worker is gone.
+    let step = cleaner.step(&f.conn, &dead).await.unwrap();
+    assert!(!step.done);
+    assert!(
+        score().await.is_some(),
+        "an unfinished walk of S left S unreported"
+    );
+}
