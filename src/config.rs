@@ -103,6 +103,8 @@ pub struct Settings {
     pub heartbeat_grace_ms: u64,
     /// Time between reconciliation passes.
     pub reconcile_interval_ms: u64,
+    /// Lifetime of a fence (the verdict against a dead server's incarnation).
+    pub fence_ttl_ms: u64,
     /// May the reconciler CONFIG SET notify-keyspace-events itself?
     pub keyspace_events_auto: bool,
     /// Drift sweep entries per step.
@@ -243,6 +245,16 @@ impl Settings {
         }
         if self.heartbeat_grace_ms == 0 {
             return bad("heartbeat_grace_ms", "must be at least 1");
+        }
+        if self.fence_ttl_ms < 60_000 || self.fence_ttl_ms <= self.heartbeat_grace_ms {
+            return bad(
+                "fence_ttl_ms",
+                format!(
+                    "must be at least 60000 and longer than heartbeat_grace_ms (a zombie must \
+                     not outlive its fence), got {}",
+                    self.fence_ttl_ms
+                ),
+            );
         }
         if self.maintenance_interval_ms < 100 {
             return bad("maintenance_interval_ms", "must be at least 100");

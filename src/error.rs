@@ -54,6 +54,13 @@ pub enum Error {
     #[error("local redis-server: {0}")]
     LocalRedis(String),
 
+    /// The server is fenced: a `server.dead` verdict stands against this incarnation, and
+    /// the connection-server protocol refuses its writes (Redis error code `FENCED`). Its
+    /// connection server must close its sockets, so that clients reconnect elsewhere, and
+    /// start again under a new server id. See [`crate::registry`].
+    #[error("server {server} is fenced (declared dead); close its sockets and start again under a new server id")]
+    Fenced { server: String },
+
     /// Local I/O (starting a private redis-server, reading a file).
     #[error("{context}: {source}")]
     Io {
@@ -216,6 +223,11 @@ pub const PERMANENT_CODES: &[(&str, &str)] = &[
     (
         "NOGROUP",
         "the stream or its group is missing; the worker creates it again itself",
+    ),
+    (
+        "FENCED",
+        "the connection-server protocol refuses a write of a server declared dead: it must \
+         start again under a new server id (see registry::Registry)",
     ),
     (
         "CROSSSLOT",

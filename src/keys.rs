@@ -17,6 +17,8 @@
 //! | `server:{<server>}:moved`  | ZSet   | the reconciler: members set aside       |
 //! | `server:{<server>}:reported`| String | the reconciler: "event published", TTL |
 //! | `janitor:sweep`            | Hash   | the reconciler: the drift sweep's cursor|
+//! | `server:{<server>}:fenced` | Hash   | the workers: the verdict, with a TTL    |
+//! | `janitor:fenced`           | ZSet   | the workers: index of fences, by time   |
 //!
 //! The last five keys are the janitor's own. `cleanup` records how far the walk of a
 //! dead server's reverse set has gone, so that a cleanup taken over after a crash resumes
@@ -122,6 +124,18 @@ impl Keys {
         self.server_key(server, "reported")
     }
 
+    /// The fence of a server declared dead (Hash with a TTL: `fenced_at_ms`, `entry`,
+    /// and the refused writes the protocol scripts note). See [`crate::fence`].
+    pub fn server_fence(&self, server: &ServerId) -> String {
+        self.server_key(server, "fenced")
+    }
+
+    /// The index of fences (ZSet: member = server id, score = unix ms of the latest
+    /// verdict), so that `status` and the metrics find them without a SCAN.
+    pub fn fences(&self) -> String {
+        format!("{}janitor:fenced", self.prefix)
+    }
+
     /// The reconciler's drift-sweep cursor.
     pub fn sweep(&self) -> String {
         format!("{}janitor:sweep", self.prefix)
@@ -182,6 +196,8 @@ mod tests {
         assert_eq!(k.server_users(&s), "t:server:{gw-7#1732181000123}:users");
         assert_eq!(k.server_alive(&s), "t:server:{gw-7#1732181000123}:alive");
         assert_eq!(k.servers(), "t:servers");
+        assert_eq!(k.server_fence(&s), "t:server:{gw-7#1732181000123}:fenced");
+        assert_eq!(k.fences(), "t:janitor:fenced");
         assert_eq!(k.events(), "t:registry:events");
         assert_eq!(k.dead_letters(), "t:registry:events:dead");
         assert_eq!(Keys::new("").registry(), "registry");

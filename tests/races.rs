@@ -249,7 +249,11 @@ async fn a_walk_started_after_the_finish_keeps_the_server_reported() {
     };
     assert_eq!(score().await, None, "a clean server leaves `servers`");
     for n in 0..10 {
-        f.reconnect(format!("zombie-{n}").as_bytes(), &dead).await;
+        // A writer of the original protocol: a fenced S's own writes would be refused.
+        f.registry
+            .register_legacy(&f.conn, format!("zombie-{n}").as_bytes(), &dead)
+            .await
+            .unwrap();
     }
     // One step of a new walk, then the worker is gone.
     let step = cleaner.step(&f.conn, &dead).await.unwrap();

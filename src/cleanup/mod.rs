@@ -109,6 +109,14 @@ pub struct Report {
 }
 
 impl Report {
+    fn merge(&mut self, other: &Report) {
+        self.steps += other.steps;
+        self.scanned += other.scanned;
+        self.deleted += other.deleted;
+        self.kept += other.kept;
+        self.acknowledged |= other.acknowledged;
+    }
+
     fn add(&mut self, step: &Step) {
         self.steps += 1;
         self.scanned += step.scanned;
@@ -134,9 +142,14 @@ pub struct Cleaner {
     layout: Layout,
     chunk_size: usize,
     chunks_in_flight: usize,
+    /// Lifetime of the fence each cleanup records first (see [`crate::fence`]).
+    fence_ttl_ms: u64,
     /// Counts failed step attempts (Redis errors), when set.
     errors: Option<prometheus::IntCounter>,
 }
+
+/// The fence's lifetime when none is set: the `fence_ttl_ms` default, 7 days.
+pub const DEFAULT_FENCE_TTL_MS: u64 = 7 * 24 * 3600 * 1000;
 
 impl Cleaner {
     pub fn new(keys: Keys, layout: Layout, chunk_size: usize, chunks_in_flight: usize) -> Self {
@@ -145,8 +158,15 @@ impl Cleaner {
             layout,
             chunk_size,
             chunks_in_flight: chunks_in_flight.max(1),
+            fence_ttl_ms: DEFAULT_FENCE_TTL_MS,
             errors: None,
         }
+    }
+
+    /// Fences live `ttl_ms` (the `fence_ttl_ms` setting).
+    pub fn fence_ttl(mut self, ttl_ms: u64) -> Self {
+        self.fence_ttl_ms = ttl_ms;
+        self
     }
 
     /// Counts every failed step attempt in `errors`.
@@ -166,8 +186,9 @@ impl Cleaner {
         self.clean_event(conn, server, None, stop, on_step).await
     }
 
-    /// Cleans `server` until its reverse set, and every member added to it meanwhile, is
-    /// walked; retries through Redis outages. With `entry`, the event's stream entry is
+    /// Fences `server` (before any delete: see [`crate::fence`]), then cleans it until its
+    /// reverse set, and every member added to it meanwhile, is walked; retries through
+    /// Redis outages. With `entry`, the event's stream entry is
     /// acknowledged by the cleanup itself: on one node inside the very step that finds
     /// nothing left (so no member added before the acknowledgement can be missed); on a
     /// cluster, where the stream is in another slot, right after that step, and the set is
@@ -175,6 +196,57 @@ impl Cleaner {
     /// Returns [`Error::Cancelled`] if `stop` fires first (the state stays consistent and
     /// resumable); `on_step` sees every step as it completes.
     pub async fn clean_event(
+        &self,
+        conn: &RedisConn,
+        server: &ServerId,
+        entry: Option<&str>,
+        stop: &CancellationToken,
+        on_step: impl FnMut(&Step),
+    ) -> Result<Report> {
+        // The verdict first: from here on the protocol refuses S's writes.
+        if self.fence(conn, server, entry, stop, false).await? {
+            return self.walk(conn, server, entry, stop, on_step).await;
+        }
+        // Out of memory: no write can take memory, so S's writes through the protocol are
+        // refused by Redis anyway. Clean first (the cleanup frees memory), then record the
+        // fence, waiting out the OOM if need be, and acknowledge only after it stands,
+        // walking once more what arrived meanwhile.
+        tracing::warn!(server_id = %server, "Redis is out of memory: cleaning first, fencing as soon as memory allows; the event is acknowledged only once the fence stands");
+        let mut on_step = on_step;
+        let mut report = self.walk(conn, server, None, stop, &mut on_step).await?;
+        self.fence(conn, server, entry, stop, true).await?;
+        let rest = self.walk(conn, server, entry, stop, on_step).await?;
+        report.merge(&rest);
+        Ok(report)
+    }
+
+    /// Records the fence of `server` (see [`crate::fence`]), retrying through transient
+    /// states. Ok(false) if Redis is out of memory and `wait_out_oom` is false.
+    async fn fence(
+        &self,
+        conn: &RedisConn,
+        server: &ServerId,
+        entry: Option<&str>,
+        stop: &CancellationToken,
+        wait_out_oom: bool,
+    ) -> Result<bool> {
+        crate::retry::retrying_counted(
+            "recording the fence",
+            stop,
+            self.errors.as_ref(),
+            || async {
+                match crate::fence::record(conn, &self.keys, server, entry, self.fence_ttl_ms).await
+                {
+                    Err(Error::Redis(e)) if !wait_out_oom && e.code() == Some("OOM") => Ok(false),
+                    other => other.map(|_| true),
+                }
+            },
+        )
+        .await
+    }
+
+    /// The walk of [`Cleaner::clean_event`], once the fence is recorded.
+    async fn walk(
         &self,
         conn: &RedisConn,
         server: &ServerId,

@@ -1,34 +1,76 @@
 //! The connection-server side of the registry, for connection servers written in Rust
 //! (and for the demo, the benchmark and the tests, which play that part).
 //!
-//! | operation    | Redis commands (layout `hash`; `keys` uses SET/GET user:<user>) |
-//! |--------------|-------------------------------------------------------------------|
-//! | register     | MULTI; HSET registry <user> <server>; SADD server:{<server>}:users <user>; EXEC |
-//! | unregister   | the forward entry deleted only if it still names <server>; SREM   |
-//! | heartbeat    | SET server:{<server>}:alive 1 PX <ttl>; ZADD servers <now_ms> <server> |
+//! The protocol is a set of Lua scripts in `protocol/` at the top of the repository, so
+//! that a connection server in any language follows the same rules (the README documents
+//! each call, with its keys and arguments, and a Python example):
+//!
+//! | operation    | script          | what it does                                          |
+//! |--------------|-----------------|-------------------------------------------------------|
+//! | register     | register.lua    | fence check, forward entry, reverse-set member        |
+//! | heartbeat    | heartbeat.lua   | fence check, liveness key (PX), `servers` score        |
+//! | unregister   | unregister.lua  | forward entry if still ours, fence check, SREM        |
+//! | route        | route.lua       | the owner, unless fenced (entry deleted) or not alive |
+//! | (cluster)    | release.lua     | forward entry deleted only if it names the server     |
+//!
+//! Once a worker takes `server.dead` for S, S is fenced (`server:{S}:fenced`, see
+//! [`crate::fence`]): every register, heartbeat and unregister of S is refused with the
+//! Redis error `FENCED`, which [`Registry`] returns as [`Error::Fenced`]. A connection
+//! server that gets it must close its sockets, so that its clients reconnect elsewhere,
+//! and start again under a new server id. A false positive (monitoring lost sight of a
+//! live S) is found at S's next heartbeat.
 //!
 //! A user moving to another server is a `register` on the new server: the forward entry
 //! now names it, and the old server's reverse set may still list the user (the janitor
 //! leaves such entries alone).
 //!
 //! On a Redis Cluster the forward entry and the reverse set are in different slots, so no
-//! MULTI can hold both: `register` writes the forward entry first, then the reverse set.
-//! That order is what lets a cleanup promise that no member added to S's set before its
-//! acknowledgement keeps an entry naming S: the member is written last, so by the time
-//! it can be walked, the entry it stands for is there to be checked. (The other order
-//! lets a cleanup walk the member before its entry exists, and acknowledge while the
-//! entry is still to be written.) A crash between the two writes leaves an entry that no
-//! index knows: the connection server is gone, so its owner soon has no liveness key, and
-//! the drift sweep deletes such an entry.
+//! one script can hold both: `register` writes the forward entry first, then the member
+//! (with the fence check, atomic with the SADD). That order is what lets a cleanup promise
+//! that no member added to S's set before its acknowledgement keeps an entry naming S:
+//! the member is written last, so by the time it can be walked, the entry it stands for
+//! is there to be checked. And since the fence is recorded before the cleanup's first
+//! step, a member written after the walk began is refused, so no registration slower
+//! than the cleanup can land after it. What remains is the forward entry of a
+//! registration refused at its second step: `register` deletes it again (release.lua);
+//! if the connection server dies in between, the entry names a fenced owner, which
+//! `route` never returns (and deletes), and which the drift sweep removes.
+//!
+//! `register_legacy`, `add_register` and `register_many` write as a connection server of
+//! the original protocol does (MULTI HSET/SADD, no fence check): the janitor still cleans
+//! such late writes before it acknowledges, but the writer is never told it is dead.
 
 use std::sync::LazyLock;
 
 use crate::conn::RedisConn;
 
-use crate::{config::Layout, error::Result, event::ServerId, keys::Keys};
+use crate::{
+    config::Layout,
+    error::{Error, Result},
+    event::ServerId,
+    keys::Keys,
+};
 
+static REGISTER: LazyLock<redis::Script> =
+    LazyLock::new(|| redis::Script::new(include_str!("../../protocol/register.lua")));
+static HEARTBEAT: LazyLock<redis::Script> =
+    LazyLock::new(|| redis::Script::new(include_str!("../../protocol/heartbeat.lua")));
 static UNREGISTER: LazyLock<redis::Script> =
-    LazyLock::new(|| redis::Script::new(include_str!("unregister.lua")));
+    LazyLock::new(|| redis::Script::new(include_str!("../../protocol/unregister.lua")));
+static RELEASE: LazyLock<redis::Script> =
+    LazyLock::new(|| redis::Script::new(include_str!("../../protocol/release.lua")));
+static ROUTE: LazyLock<redis::Script> =
+    LazyLock::new(|| redis::Script::new(include_str!("../../protocol/route.lua")));
+
+/// Turns the protocol's `FENCED` refusal into [`Error::Fenced`].
+fn unless_fenced<T>(reply: redis::RedisResult<T>, server: &ServerId) -> Result<T> {
+    match reply {
+        Err(e) if e.code() == Some("FENCED") => Err(Error::Fenced {
+            server: server.as_str().to_owned(),
+        }),
+        other => Ok(other?),
+    }
+}
 
 /// Writes and reads the registry as a connection server does.
 #[derive(Debug, Clone)]
@@ -46,23 +88,24 @@ impl Registry {
         &self.keys
     }
 
-    /// Adds the commands that register `user` on `server` to `pipe` (for bulk loads).
-    pub fn add_register(&self, pipe: &mut redis::Pipeline, user: &[u8], server: &ServerId) {
+    fn layout_name(&self) -> &'static str {
         match self.layout {
-            Layout::Hash => pipe.hset(self.keys.registry(), user, server.as_str()),
-            Layout::Keys => pipe.set(self.keys.user(user), server.as_str()),
+            Layout::Hash => "hash",
+            Layout::Keys => "keys",
         }
-        .ignore()
-        .sadd(self.keys.server_users(server), user)
-        .ignore();
     }
 
-    /// Registers `user` on `server` (reverse set and forward entry in one MULTI; on a
-    /// cluster, one after the other).
-    pub async fn register(&self, conn: &RedisConn, user: &[u8], server: &ServerId) -> Result<()> {
-        let mut reverse = redis::cmd("SADD");
-        reverse.arg(self.keys.server_users(server)).arg(user);
-        let forward = match self.layout {
+    /// The key that holds `user`'s forward entry: `registry` or `user:<user>`.
+    fn forward_key(&self, user: &[u8]) -> Vec<u8> {
+        match self.layout {
+            Layout::Hash => self.keys.registry().into_bytes(),
+            Layout::Keys => self.keys.user(user),
+        }
+    }
+
+    /// The plain write of `user`'s forward entry naming `server` (HSET or SET).
+    fn forward_write(&self, user: &[u8], server: &ServerId) -> redis::Cmd {
+        match self.layout {
             Layout::Hash => redis::cmd("HSET")
                 .arg(self.keys.registry())
                 .arg(user)
@@ -72,13 +115,63 @@ impl Registry {
                 .arg(self.keys.user(user))
                 .arg(server.as_str())
                 .to_owned(),
+        }
+    }
+
+    /// Adds the commands that register `user` on `server` to `pipe` (for bulk loads; the
+    /// original protocol, without a fence check).
+    pub fn add_register(&self, pipe: &mut redis::Pipeline, user: &[u8], server: &ServerId) {
+        pipe.add_command(self.forward_write(user, server))
+            .ignore()
+            .sadd(self.keys.server_users(server), user)
+            .ignore();
+    }
+
+    /// Registers `user` on `server` (register.lua): refused with [`Error::Fenced`] once
+    /// `server` is fenced. One atomic step on one node; on a cluster the forward entry
+    /// first, then the member with the fence check (undone if refused; see the module docs).
+    pub async fn register(&self, conn: &RedisConn, user: &[u8], server: &ServerId) -> Result<()> {
+        let mut call = REGISTER.prepare_invoke();
+        call.key(self.keys.server_fence(server))
+            .key(self.keys.server_users(server));
+        if conn.is_cluster() {
+            let () = self
+                .forward_write(user, server)
+                .query_async(&mut conn.clone())
+                .await?;
+        } else {
+            call.key(self.forward_key(user));
+        }
+        call.arg(user).arg(server.as_str()).arg(self.layout_name());
+        let refused = match unless_fenced(call.invoke_async::<i64>(&mut conn.clone()).await, server)
+        {
+            Err(refused @ Error::Fenced { .. }) => refused,
+            other => return other.map(drop),
         };
+        if conn.is_cluster() {
+            self.release(conn, user, server).await?;
+        }
+        Err(refused)
+    }
+
+    /// Registers `user` on `server` as a connection server of the original protocol does:
+    /// MULTI HSET/SADD (on a cluster, the forward entry and then the member), no fence
+    /// check. The janitor cleans such writes before it acknowledges; the writer is never
+    /// told that it is dead.
+    pub async fn register_legacy(
+        &self,
+        conn: &RedisConn,
+        user: &[u8],
+        server: &ServerId,
+    ) -> Result<()> {
+        let mut reverse = redis::cmd("SADD");
+        reverse.arg(self.keys.server_users(server)).arg(user);
         // Forward entry first: the order that matters on a cluster (see the module docs).
         // One of the two may fail at EXEC time while the other is done (MULTI does not roll
         // back); the error is returned, and either partial state is one the janitor already
         // handles: a member without its forward entry is dropped by the cleanup, a forward
         // entry without its member is found by the reconciler's sweep once its server dies.
-        crate::conn::transaction(conn, vec![forward, reverse]).await?;
+        crate::conn::transaction(conn, vec![self.forward_write(user, server), reverse]).await?;
         Ok(())
     }
 
@@ -143,40 +236,87 @@ impl Registry {
         Ok(())
     }
 
-    /// A clean disconnect: drops the forward entry if it still names `server`, then
-    /// removes the user from the server's reverse set.
+    /// A clean disconnect (unregister.lua): drops the forward entry if it still names
+    /// `server`, then removes the user from the server's reverse set. A fenced server
+    /// still loses the forward entry, gets [`Error::Fenced`] and writes no member.
     pub async fn unregister(&self, conn: &RedisConn, user: &[u8], server: &ServerId) -> Result<()> {
-        let (forward, layout) = match self.layout {
-            Layout::Hash => (self.keys.registry().into_bytes(), "hash"),
-            Layout::Keys => (self.keys.user(user), "keys"),
-        };
         let mut call = UNREGISTER.prepare_invoke();
-        call.key(forward).arg(user).arg(server.as_str()).arg(layout);
-        let _: i64 = call.invoke_async(&mut conn.clone()).await?;
-        let _: i64 = redis::cmd("SREM")
-            .arg(self.keys.server_users(server))
+        call.key(self.keys.server_fence(server))
+            .key(self.keys.server_users(server));
+        if conn.is_cluster() {
+            self.release(conn, user, server).await?;
+        } else {
+            call.key(self.forward_key(user));
+        }
+        call.arg(user).arg(server.as_str()).arg(self.layout_name());
+        unless_fenced(call.invoke_async::<i64>(&mut conn.clone()).await, server).map(drop)
+    }
+
+    /// Deletes `user`'s forward entry if it still names `server` (release.lua); true if
+    /// it did.
+    async fn release(&self, conn: &RedisConn, user: &[u8], server: &ServerId) -> Result<bool> {
+        let mut call = RELEASE.prepare_invoke();
+        call.key(self.forward_key(user))
             .arg(user)
-            .query_async(&mut conn.clone())
-            .await?;
+            .arg(server.as_str())
+            .arg(self.layout_name());
+        let deleted: i64 = call.invoke_async(&mut conn.clone()).await?;
+        Ok(deleted == 1)
+    }
+
+    /// Refreshes the server's liveness key (TTL `ttl_ms`) and its `servers` score
+    /// (heartbeat.lua); [`Error::Fenced`] once the server is fenced, with nothing written.
+    pub async fn heartbeat(&self, conn: &RedisConn, server: &ServerId, ttl_ms: u64) -> Result<()> {
+        let now = crate::now_ms();
+        let mut call = HEARTBEAT.prepare_invoke();
+        call.key(self.keys.server_fence(server))
+            .key(self.keys.server_alive(server));
+        if !conn.is_cluster() {
+            call.key(self.keys.servers());
+        }
+        call.arg(server.as_str()).arg(ttl_ms).arg(now);
+        unless_fenced(call.invoke_async::<i64>(&mut conn.clone()).await, server)?;
+        if conn.is_cluster() {
+            // `servers` is in another slot: its score follows a heartbeat that was taken.
+            let _: i64 = redis::cmd("ZADD")
+                .arg(self.keys.servers())
+                .arg(now)
+                .arg(server.as_str())
+                .query_async(&mut conn.clone())
+                .await?;
+        }
         Ok(())
     }
 
-    /// Refreshes the server's liveness key (TTL `ttl_ms`) and its `servers` score.
-    pub async fn heartbeat(&self, conn: &RedisConn, server: &ServerId, ttl_ms: u64) -> Result<()> {
-        let mut alive = redis::cmd("SET");
-        alive
-            .arg(self.keys.server_alive(server))
-            .arg(1)
-            .arg("PX")
-            .arg(ttl_ms);
-        let mut seen = redis::cmd("ZADD");
-        seen.arg(self.keys.servers())
-            .arg(crate::now_ms())
-            .arg(server.as_str());
-        // Either write alone is a fresher sign of life, never a false death; an error in
-        // one (EXEC does not roll back) is returned and the next heartbeat writes both.
-        crate::conn::transaction(conn, vec![alive, seen]).await?;
-        Ok(())
+    /// Where to route a message for `user` (route.lua): the owner, only if it is neither
+    /// fenced nor past its liveness (its liveness key expired); otherwise `None`. An entry
+    /// whose owner is fenced is deleted with the atomic check-and-delete. On a cluster, in
+    /// single-slot steps: the owner, then its fence and liveness keys, then release.lua.
+    pub async fn route(&self, conn: &RedisConn, user: &[u8]) -> Result<Option<String>> {
+        if !conn.is_cluster() {
+            let mut call = ROUTE.prepare_invoke();
+            call.key(self.forward_key(user))
+                .arg(user)
+                .arg(self.layout_name())
+                .arg(self.keys.prefix());
+            return Ok(call.invoke_async(&mut conn.clone()).await?);
+        }
+        let Some(owner) = self.owner(conn, user).await? else {
+            return Ok(None);
+        };
+        let Ok(server) = ServerId::parse(&owner) else {
+            return Ok(None);
+        };
+        let (fenced, alive): (bool, bool) = redis::pipe()
+            .exists(self.keys.server_fence(&server))
+            .exists(self.keys.server_alive(&server))
+            .query_async(&mut conn.clone())
+            .await?;
+        if fenced {
+            self.release(conn, user, &server).await?;
+            return Ok(None);
+        }
+        Ok(alive.then_some(owner))
     }
 
     /// The server a user's forward entry names, if any.

@@ -76,6 +76,7 @@ impl Worker {
                 settings.chunk_size,
                 settings.chunks_in_flight,
             )
+            .fence_ttl(settings.fence_ttl_ms)
             .counting_errors(metrics.redis_errors.clone()),
             health: Health::new(Duration::from_secs(60)),
             failing: Failing::new(),

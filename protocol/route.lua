@@ -1,0 +1,34 @@
+-- registry-janitor connection-server protocol: where to route a message for a user.
+--
+-- Returns the owner server id only if that owner is neither fenced (declared dead) nor
+-- past its liveness (its liveness key expired); otherwise nil. An entry whose owner is
+-- fenced is deleted here, atomically with the check (the owner is dead for good). An
+-- owner that only missed its liveness keeps its entry: it may be a slow heartbeat, and
+-- the reconciler decides.
+--
+-- One node only: the owner's keys are read by name (built from ARGV[3] and the owner),
+-- which a cluster does not allow. On a Redis Cluster: HGET registry <user> (or GET
+-- user:<user>); then EXISTS server:{<owner>}:fenced and EXISTS server:{<owner>}:alive
+-- (one slot); if fenced, release.lua on the forward entry.
+--
+-- KEYS[1] the forward entry: `registry` (layout hash) or `user:<user>` (layout keys)
+-- ARGV[1] user id  ARGV[2] 'hash' or 'keys'  ARGV[3] key_prefix (may be empty)
+-- Returns the owner server id, or nil
+
+local forward, user, prefix = KEYS[1], ARGV[1], ARGV[3]
+local owner
+if ARGV[2] == 'hash' then
+  owner = redis.call('HGET', forward, user)
+else
+  owner = redis.call('GET', forward)
+end
+-- Not a valid server id (1..200 printable ASCII bytes, no space, no braces): it has no
+-- liveness key, and it never goes into a key name.
+if not owner or #owner > 200 or not string.match(owner, '^[!-z|~]+$') then return false end
+local base = prefix .. 'server:{' .. owner .. '}:'
+if redis.call('EXISTS', base .. 'fenced') == 1 then
+  if ARGV[2] == 'hash' then redis.call('HDEL', forward, user) else redis.call('DEL', forward) end
+  return false
+end
+if redis.call('EXISTS', base .. 'alive') == 0 then return false end
+return owner

@@ -1,0 +1,149 @@
+//! Fences: the verdict against a dead server's incarnation, kept in Redis.
+//!
+//! When a worker takes `server.dead` for S, the first thing it does, before any delete,
+//! is record S's fence: `server:{S}:fenced`, a Hash under S's hash tag (so in the slot of
+//! S's other keys on a cluster) with a lifetime of `fence_ttl_ms` (days). From then on,
+//! the connection-server protocol (`protocol/*.lua`, [`crate::registry`]) refuses every
+//! register, heartbeat and unregister of S with the error `FENCED`, and a routing lookup
+//! never returns S. The protocol scripts note each refusal in the fence
+//! (`refused_<operation>`, `last_refused_ms`), which is how `status` and the metrics
+//! show a fenced server that still tries to write: a false positive, or a zombie.
+//!
+//! Fields of the fence: `fenced_at_ms` (unix ms of the first verdict), `entry` (the
+//! stream entry id of that `server.dead`), and the refusal notes above. `janitor:fenced`
+//! indexes the fences (member = S, score = unix ms of the latest verdict), so that no
+//! SCAN is needed to find them; entries older than `fence_ttl_ms` are pruned as read.
+
+use std::sync::LazyLock;
+
+use serde::Serialize;
+
+use crate::{conn::RedisConn, error::Result, event::ServerId, keys::Keys};
+
+static RECORD: LazyLock<redis::Script> =
+    LazyLock::new(|| redis::Script::new(include_str!("record.lua")));
+
+/// The operations of the protocol that a fence refuses, as named in the fence's
+/// `refused_<operation>` fields and in the metric's `op` label.
+pub const OPERATIONS: [&str; 3] = ["register", "heartbeat", "unregister"];
+
+/// Records the fence of `server` (idempotent), then indexes it. Returns the unix ms of
+/// the first verdict.
+pub async fn record(
+    conn: &RedisConn,
+    keys: &Keys,
+    server: &ServerId,
+    entry: Option<&str>,
+    ttl_ms: u64,
+) -> Result<u64> {
+    let mut call = RECORD.prepare_invoke();
+    call.key(keys.server_fence(server))
+        .arg(ttl_ms)
+        .arg(entry.unwrap_or(""));
+    let (fenced_at, now): (u64, u64) = call.invoke_async(&mut conn.clone()).await?;
+    // The index is for status and metrics only, in another slot on a cluster: the fence
+    // above is what the protocol checks.
+    let _: i64 = redis::cmd("ZADD")
+        .arg(keys.fences())
+        .arg(now)
+        .arg(server.as_str())
+        .query_async(&mut conn.clone())
+        .await?;
+    Ok(fenced_at)
+}
+
+/// True if `server` is fenced now.
+pub async fn is_fenced(conn: &RedisConn, keys: &Keys, server: &ServerId) -> Result<bool> {
+    Ok(redis::cmd("EXISTS")
+        .arg(keys.server_fence(server))
+        .query_async(&mut conn.clone())
+        .await?)
+}
+
+/// One standing fence, as `status` shows it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Fence {
+    pub server_id: String,
+    pub fenced_at_ms: u64,
+    /// The stream entry of the `server.dead` that fenced it.
+    pub entry: Option<String>,
+    /// Writes refused since, by operation (see [`OPERATIONS`]).
+    pub refused_register: u64,
+    pub refused_heartbeat: u64,
+    pub refused_unregister: u64,
+    /// The last refused write (unix ms), if any.
+    pub last_refused_ms: Option<u64>,
+}
+
+impl Fence {
+    /// Writes refused since the verdict, all operations.
+    pub fn refused(&self) -> u64 {
+        self.refused_register + self.refused_heartbeat + self.refused_unregister
+    }
+
+    /// Refused writes of one operation of [`OPERATIONS`].
+    pub fn refused_of(&self, op: &str) -> u64 {
+        match op {
+            "register" => self.refused_register,
+            "heartbeat" => self.refused_heartbeat,
+            "unregister" => self.refused_unregister,
+            _ => 0,
+        }
+    }
+
+    /// Did the fenced server try to write within `window_ms` before `now_ms`?
+    pub fn writing(&self, now_ms: u64, window_ms: u64) -> bool {
+        self.last_refused_ms
+            .is_some_and(|t| t.saturating_add(window_ms) >= now_ms)
+    }
+}
+
+/// Fences read per round trip.
+const PAGE: usize = 500;
+
+/// Every standing fence, from the index (entries older than `ttl_ms` pruned first; an
+/// entry whose fence has expired is skipped).
+pub async fn standing(conn: &RedisConn, keys: &Keys, ttl_ms: u64) -> Result<Vec<Fence>> {
+    let oldest = crate::now_ms().saturating_sub(ttl_ms);
+    let _: i64 = redis::cmd("ZREMRANGEBYSCORE")
+        .arg(keys.fences())
+        .arg("-inf")
+        .arg(format!("({oldest}"))
+        .query_async(&mut conn.clone())
+        .await?;
+    let members: Vec<String> = redis::cmd("ZRANGE")
+        .arg(keys.fences())
+        .arg(0)
+        .arg(-1)
+        .query_async(&mut conn.clone())
+        .await?;
+    let servers: Vec<ServerId> = members
+        .iter()
+        .filter_map(|m| ServerId::parse(m).ok())
+        .collect();
+    let mut fences = Vec::new();
+    for page in servers.chunks(PAGE) {
+        let reads = page
+            .iter()
+            .map(|s| redis::cmd("HGETALL").arg(keys.server_fence(s)).to_owned())
+            .collect();
+        let fields: Vec<std::collections::HashMap<String, String>> =
+            crate::conn::each_in_flight(conn, reads).await?;
+        for (server, fields) in page.iter().zip(fields) {
+            if fields.is_empty() {
+                continue;
+            }
+            let number = |name: &str| fields.get(name).and_then(|v| v.parse::<u64>().ok());
+            fences.push(Fence {
+                server_id: server.as_str().to_owned(),
+                fenced_at_ms: number("fenced_at_ms").unwrap_or(0),
+                entry: fields.get("entry").cloned(),
+                refused_register: number("refused_register").unwrap_or(0),
+                refused_heartbeat: number("refused_heartbeat").unwrap_or(0),
+                refused_unregister: number("refused_unregister").unwrap_or(0),
+                last_refused_ms: number("last_refused_ms"),
+            });
+        }
+    }
+    Ok(fences)
+}
