@@ -51,6 +51,17 @@ pub struct Metrics {
     pub dead_letters: IntGauge,
     /// Stream entries this worker is handling now (cleaning, dead-lettering, acking).
     pub entries_in_hand: IntGauge,
+    /// Writes of fenced servers refused by the protocol, by operation (read from the
+    /// fences by the reconciler's pass; see [`Metrics::observe_fences`]).
+    pub fence_refused_writes: IntCounterVec,
+    /// Fences standing now, sampled by the reconciler.
+    pub fenced_servers: IntGauge,
+    /// Fenced servers that tried to write within `heartbeat_grace_ms`: a false positive
+    /// or a zombie.
+    pub fenced_servers_writing: IntGauge,
+    /// Refusals already counted, per fence and operation.
+    fence_refusals_seen:
+        std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, [u64; 3]>>>,
 }
 
 impl Metrics {
@@ -125,6 +136,22 @@ impl Metrics {
             "registry_janitor_entries_in_hand",
             "Stream entries this worker is handling now",
         );
+        let fence_refused_writes = IntCounterVec::new(
+            Opts::new(
+                "registry_janitor_fence_refused_writes_total",
+                "Writes of fenced (declared dead) servers refused by the connection-server protocol, by operation",
+            ),
+            &["op"],
+        )
+        .expect("valid metric");
+        let fenced_servers = gauge(
+            "registry_janitor_fenced_servers",
+            "Fences standing now (servers declared dead within fence_ttl_ms), sampled",
+        );
+        let fenced_servers_writing = gauge(
+            "registry_janitor_fenced_servers_writing",
+            "Fenced servers that tried to write within heartbeat_grace_ms: a false positive or a zombie",
+        );
         let counter = |name: &str, help: &str| IntCounter::new(name, help).expect("valid metric");
         let reconcile_passes = counter(
             "registry_janitor_reconcile_passes_total",
@@ -164,6 +191,9 @@ impl Metrics {
             Box::new(cleanup_seconds.clone()),
             Box::new(stale_window_seconds.clone()),
             Box::new(redis_errors.clone()),
+            Box::new(fence_refused_writes.clone()),
+            Box::new(fenced_servers.clone()),
+            Box::new(fenced_servers_writing.clone()),
         ] {
             registry.register(c).expect("unique metric names");
         }
@@ -175,6 +205,9 @@ impl Metrics {
             outcome::ABANDONED,
         ] {
             events.with_label_values(&[o]);
+        }
+        for op in crate::fence::OPERATIONS {
+            fence_refused_writes.with_label_values(&[op]);
         }
         Metrics {
             registry,
@@ -195,7 +228,39 @@ impl Metrics {
             stream_pending,
             dead_letters,
             entries_in_hand,
+            fence_refused_writes,
+            fenced_servers,
+            fenced_servers_writing,
+            fence_refusals_seen: Default::default(),
         }
+    }
+
+    /// Updates the fence metrics from the fences standing now: the refusals noted on each
+    /// fence since this process last looked are added to the counter (a fence first seen
+    /// adds all of its own; with several reconcilers, take the max over them, not the sum).
+    pub fn observe_fences(&self, fences: &[crate::fence::Fence], writing_window_ms: u64) {
+        let now = crate::now_ms();
+        let mut seen = self.fence_refusals_seen.lock().expect("not poisoned");
+        let mut standing = std::collections::HashMap::with_capacity(fences.len());
+        for fence in fences {
+            let before = seen.get(&fence.server_id).copied().unwrap_or_default();
+            let mut after = [0; 3];
+            for (i, op) in crate::fence::OPERATIONS.iter().enumerate() {
+                after[i] = fence.refused_of(op);
+                let new = after[i].saturating_sub(before[i]);
+                self.fence_refused_writes
+                    .with_label_values(&[op])
+                    .inc_by(new);
+            }
+            standing.insert(fence.server_id.clone(), after);
+        }
+        *seen = standing;
+        self.fenced_servers.set(fences.len() as i64);
+        let writing = fences
+            .iter()
+            .filter(|f| f.writing(now, writing_window_ms))
+            .count();
+        self.fenced_servers_writing.set(writing as i64);
     }
 
     /// Count of events with `outcome`.

@@ -34,6 +34,14 @@ pub struct Status {
     pub servers_known: u64,
     /// Of those, dead now: heartbeat older than `heartbeat_grace_ms` and no liveness key.
     pub servers_dead: Option<u64>,
+    /// Fences standing now (servers declared dead within `fence_ttl_ms`).
+    pub fenced: Option<u64>,
+    /// Fenced servers that tried to write after their verdict (a false positive, or a
+    /// zombie), the most recent first.
+    pub fenced_still_writing: Vec<crate::fence::Fence>,
+    /// The window, in ms, within which a refused write counts as "writing now" (the
+    /// `heartbeat_grace_ms`).
+    pub writing_window_ms: u64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -57,6 +65,13 @@ pub async fn collect(settings: &Settings) -> Result<Status> {
     let mut status = collect_from(&conn, &keys).await?;
     status.servers_dead =
         Some(crate::reconcile::count_dead(&conn, &keys, settings.heartbeat_grace_ms).await?);
+    let fences = crate::fence::standing(&conn, &keys, None).await?;
+    status.fenced = Some(fences.len() as u64);
+    status.fenced_still_writing = fences.into_iter().filter(|f| f.refused() > 0).collect();
+    status
+        .fenced_still_writing
+        .sort_by_key(|f| std::cmp::Reverse(f.last_refused_ms));
+    status.writing_window_ms = settings.heartbeat_grace_ms;
     Ok(status)
 }
 
@@ -83,6 +98,9 @@ pub async fn collect_from(conn: &RedisConn, keys: &Keys) -> Result<Status> {
         dead_letters,
         servers_known,
         servers_dead: None,
+        fenced: None,
+        fenced_still_writing: Vec::new(),
+        writing_window_ms: 0,
     };
     if stream_length == 0 && !exists(&mut c, &keys.events()).await? {
         return Ok(status);

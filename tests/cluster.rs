@@ -292,10 +292,19 @@ async fn the_reconciler_finds_dead_servers_on_a_cluster() {
         "the live server is untouched"
     );
     let after = reconciler.run_once().await.unwrap();
+    // Its fence keeps it a candidate, found clean, and not reported again.
     assert_eq!(
-        after.pass.candidates, 0,
-        "the cleaned server left `servers`: {after}"
+        (after.pass.published, after.pass.fenced_clean),
+        (0, 1),
+        "{after}"
     );
+    let score: Option<f64> = redis::cmd("ZSCORE")
+        .arg(f.keys.servers())
+        .arg(silent.as_str())
+        .query_async(&mut f.conn.clone())
+        .await
+        .unwrap();
+    assert_eq!(score, None, "the cleaned server left `servers`");
     worker.stop().await;
 }
 
@@ -578,4 +587,101 @@ async fn a_takeover_after_a_failover_walks_the_set_again() {
         "deletes lost in the failover were not made again"
     );
     second.stop().await;
+}
+
+/// Fencing on a cluster, where a registration is two steps in two slots: a server that
+/// keeps heartbeating through its verdict is refused from its first heartbeat after it; a
+/// zombie registering all the while gets every write refused or cleaned before the
+/// acknowledgement; route never returns the fenced owner, whose liveness key still
+/// stands; nothing names it afterwards and the live server loses nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fencing_holds_on_a_cluster() {
+    use registry_janitor::{error::Error, fence};
+    let Some(f) = ClusterFixture::start(3, 0, Layout::Keys, 10).await else {
+        return;
+    };
+    let (dead, live) = (server("gw-dead#1"), server("gw-live#1"));
+    const USERS: usize = 4_000;
+    seed(&f.registry, &f.conn, &dead, USERS).await;
+    seed(&f.registry, &f.conn, &live, 100).await;
+    let heartbeats = {
+        let (registry, conn, dead) = (f.registry.clone(), f.conn.clone(), dead.clone());
+        tokio::spawn(async move {
+            let mut beats = Vec::new();
+            loop {
+                let started = registry_janitor::now_ms();
+                match registry.heartbeat(&conn, &dead, 60_000).await {
+                    Ok(()) => beats.push((started, false)),
+                    Err(Error::Fenced { .. }) => {
+                        beats.push((started, true));
+                        return beats;
+                    }
+                    Err(e) => panic!("heartbeat: {e}"),
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+    let zombie = {
+        let (registry, conn, dead) = (f.registry.clone(), f.conn.clone(), dead.clone());
+        tokio::spawn(async move {
+            let (mut tried, mut refused) = (Vec::new(), 0);
+            for n in 0.. {
+                let u = format!("zombie-{n}").into_bytes();
+                tried.push(u.clone());
+                match registry.register(&conn, &u, &dead).await {
+                    Ok(()) => assert_eq!(refused, 0, "a write was taken after a refusal"),
+                    Err(Error::Fenced { .. }) => refused += 1,
+                    Err(e) => panic!("register: {e}"),
+                }
+                if refused == 300 {
+                    return tried;
+                }
+            }
+            unreachable!()
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let worker = spawn_worker(&f.settings);
+    let id = kill(&f.conn, &f.keys, &dead).await;
+    wait_until(
+        &f.cluster.nodes[0],
+        "the fence",
+        Duration::from_secs(30),
+        || async { fence::is_fenced(&f.conn, &f.keys, &dead).await.unwrap() },
+    )
+    .await;
+    let (mut routed_dead, mut lookups, mut n) = (0, 0, 0);
+    while is_pending(&f.conn, &f.keys, &id).await {
+        let routed = f.registry.route(&f.conn, &user(&dead, n)).await.unwrap();
+        routed_dead += usize::from(routed.as_deref() == Some(dead.as_str()));
+        lookups += 1;
+        n = (n + 13) % USERS;
+    }
+    assert_eq!(
+        routed_dead, 0,
+        "route returned the fenced owner ({lookups} lookups)"
+    );
+    let beats = tokio::time::timeout(Duration::from_secs(30), heartbeats)
+        .await
+        .expect("never told")
+        .unwrap();
+    let tried = tokio::time::timeout(Duration::from_secs(60), zombie)
+        .await
+        .expect("the zombie was never refused")
+        .unwrap();
+    f.wait_idle(Duration::from_secs(60)).await;
+    let verdict: u64 = redis::cmd("HGET")
+        .arg(f.keys.server_fence(&dead))
+        .arg("fenced_at_ms")
+        .query_async(&mut f.conn.clone())
+        .await
+        .unwrap();
+    let (last, refused) = *beats.last().unwrap();
+    assert!(refused && last >= verdict, "{beats:?} {verdict}");
+    assert!(beats[beats.len() - 2].0 <= verdict, "{beats:?} {verdict}");
+    assert_none_point_at(&f.registry, &f.conn, &tried, &dead, 200).await;
+    assert_eq!(f.still_pointing(&dead, USERS).await, 0);
+    assert_eq!(f.still_pointing(&live, 100).await, 100, "live entries lost");
+    worker.stop().await;
 }

@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use common::*;
 use registry_janitor::{
-    cleanup::Cleaner, config::Layout, event::ServerId, metrics::Metrics, reconcile::Reconciler,
+    cleanup::Cleaner, config::Layout, event::ServerId, fence, metrics::Metrics,
+    reconcile::Reconciler,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -128,8 +129,10 @@ async fn members_set_aside_are_settled_after_the_grace_period() {
     assert_eq!(aside, 0, "settled members stay set aside");
 }
 
-/// With Redis out of memory (maxmemory reached, noeviction), the cleanup still finishes:
-/// it is what frees memory, and it walks with commands that need none.
+/// With Redis out of memory (maxmemory reached, noeviction), the cleanup still deletes:
+/// it is what frees memory, and it walks with commands that need none. Its fence, which
+/// takes memory, is recorded once memory allows, and the cleanup (and so the event's
+/// acknowledgement) waits for it. (Meanwhile OOM refuses S's writes anyway.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cleanup_finishes_while_redis_is_out_of_memory() {
     for layout in [Layout::Hash, Layout::Keys] {
@@ -147,16 +150,37 @@ async fn a_cleanup_finishes_while_redis_is_out_of_memory() {
             .await;
         assert_eq!(refused.unwrap_err().code(), Some("OOM"), "Redis is not OOM");
         let cleaner = Cleaner::new(f.keys.clone(), layout, 100, 2);
-        let report = tokio::time::timeout(
+        let cleaning = {
+            let (cleaner, conn, dead) = (cleaner.clone(), f.conn.clone(), dead.clone());
+            tokio::spawn(async move {
+                cleaner
+                    .clean(&conn, &dead, &CancellationToken::new(), |_| {})
+                    .await
+            })
+        };
+        // The deletes go ahead under OOM (they are what frees memory)...
+        wait_until(
+            &f.redis,
+            "the entries deleted",
             Duration::from_secs(60),
-            cleaner.clean(&f.conn, &dead, &CancellationToken::new(), |_| {}),
+            || async { f.still_pointing(&dead, 3_000).await == 0 },
         )
-        .await
-        .expect("the cleanup finishes under OOM")
-        .unwrap();
-        assert_eq!(report.deleted, 3_000);
-        assert_eq!(f.still_pointing(&dead, 3_000).await, 0);
+        .await;
         assert_eq!(f.still_pointing(&live, 100).await, 100);
+        // ...but the cleanup is not over before its fence stands, which takes memory.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!cleaning.is_finished(), "finished without a fence");
+        assert!(!fence::is_fenced(&f.conn, &f.keys, &dead).await.unwrap());
+        let _: () = f
+            .query(redis::cmd("CONFIG").arg("SET").arg("maxmemory").arg("0"))
+            .await;
+        let report = tokio::time::timeout(Duration::from_secs(60), cleaning)
+            .await
+            .expect("the cleanup finishes once memory allows the fence")
+            .unwrap()
+            .unwrap();
+        assert_eq!(report.deleted, 3_000);
+        assert!(fence::is_fenced(&f.conn, &f.keys, &dead).await.unwrap());
         assert_eq!(cleaner.progress(&f.conn, &dead).await.unwrap(), None);
     }
 }

@@ -101,16 +101,23 @@ impl Fence {
 /// Fences read per round trip.
 const PAGE: usize = 500;
 
-/// Every standing fence, from the index (entries older than `ttl_ms` pruned first; an
-/// entry whose fence has expired is skipped).
-pub async fn standing(conn: &RedisConn, keys: &Keys, ttl_ms: u64) -> Result<Vec<Fence>> {
-    let oldest = crate::now_ms().saturating_sub(ttl_ms);
-    let _: i64 = redis::cmd("ZREMRANGEBYSCORE")
-        .arg(keys.fences())
-        .arg("-inf")
-        .arg(format!("({oldest}"))
-        .query_async(&mut conn.clone())
-        .await?;
+/// Every standing fence, from the index (an entry whose fence has expired is skipped).
+/// With `prune_after_ms`, index entries older than that (the `fence_ttl_ms`) are removed
+/// first (the reconciler does it; `status` only reads).
+pub async fn standing(
+    conn: &RedisConn,
+    keys: &Keys,
+    prune_after_ms: Option<u64>,
+) -> Result<Vec<Fence>> {
+    if let Some(ttl_ms) = prune_after_ms {
+        let oldest = crate::now_ms().saturating_sub(ttl_ms);
+        let _: i64 = redis::cmd("ZREMRANGEBYSCORE")
+            .arg(keys.fences())
+            .arg("-inf")
+            .arg(format!("({oldest}"))
+            .query_async(&mut conn.clone())
+            .await?;
+    }
     let members: Vec<String> = redis::cmd("ZRANGE")
         .arg(keys.fences())
         .arg(0)

@@ -63,12 +63,14 @@ pub enum Verdict {
     TooRecent { heartbeat_ms: u64 },
     /// Dead, and already reported within the marker's window.
     AlreadyReported,
+    /// Fenced, with nothing left to clean: not reported again.
+    FencedClean,
 }
 
 /// One pass over `servers`.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct PassReport {
-    /// Servers whose heartbeat was older than the grace period.
+    /// Servers checked: heartbeat older than the grace period, or fenced.
     pub candidates: u64,
     pub published: u64,
     pub alive: u64,
@@ -76,6 +78,8 @@ pub struct PassReport {
     pub already_reported: u64,
     /// Members of `servers` that are not valid server ids (left alone, logged).
     pub invalid: u64,
+    /// Fenced servers with nothing left to clean (not reported again).
+    pub fenced_clean: u64,
 }
 
 /// One complete drift sweep.
@@ -101,13 +105,14 @@ impl std::fmt::Display for OnceReport {
         let (p, s) = (&self.pass, &self.sweep);
         write!(
             f,
-            "dead servers: {} published, {} already reported, {} alive, {} heartbeat within grace \
-             ({} stale heartbeats, {} invalid ids); drift: {} of {} forward entries removed, \
+            "dead servers: {} published, {} already reported, {} alive, {} heartbeat within grace, \
+             {} fenced and clean ({} candidates, {} invalid ids); drift: {} of {} forward entries removed, \
              {} of {} reverse-index members of {} live servers removed",
             p.published,
             p.already_reported,
             p.alive,
             p.too_recent,
+            p.fenced_clean,
             p.candidates,
             p.invalid,
             s.entries_removed,

@@ -1,7 +1,10 @@
 //! The heartbeat pass: servers in `servers` whose heartbeat is older than the grace
 //! period and whose liveness key is gone get a `server.dead` event (report_dead.lua
 //! re-checks both at the instant it publishes; on a cluster, report_dead_cluster.lua
-//! in the slot of `{S}`).
+//! in the slot of `{S}`). Fenced servers (see [`crate::fence`]) are dead for good: one
+//! with anything left to clean is reported again, whatever its liveness key and score
+//! say (a writer of the original protocol may still heartbeat), until it is clean; a
+//! clean one is not reported again.
 
 use std::sync::LazyLock;
 
@@ -41,7 +44,11 @@ impl Reconciler {
             .key(self.keys.servers())
             .key(self.keys.server_reported(server))
             .key(self.keys.events())
-            .arg(server.as_str())
+            .key(self.keys.server_fence(server));
+        for key in self.keys.server_members_left(server) {
+            call.key(key);
+        }
+        call.arg(server.as_str())
             .arg(self.cutoff_ms())
             .arg(event.encode())
             .arg(marker_ttl);
@@ -57,6 +64,7 @@ impl Reconciler {
                 heartbeat_ms: detail.parse::<f64>().map_or(0, |f| f as u64),
             },
             3 => Verdict::AlreadyReported,
+            4 => Verdict::FencedClean,
             other => return Err(Error::Protocol(format!("report_dead.lua returned {other}"))),
         })
     }
@@ -70,23 +78,38 @@ impl Reconciler {
         marker_ttl: u64,
     ) -> Result<Verdict> {
         let mut c = self.conn.clone();
-        let score: Option<f64> = redis::cmd("ZSCORE")
-            .arg(self.keys.servers())
-            .arg(server.as_str())
-            .query_async(&mut c)
-            .await?;
-        if let Some(score) = score.filter(|&s| s as u64 > self.cutoff_ms()) {
-            return Ok(Verdict::TooRecent {
-                heartbeat_ms: score as u64,
-            });
+        // A fenced server is dead whatever its heartbeat says (the script checks again).
+        if !crate::fence::is_fenced(&self.conn, &self.keys, server).await? {
+            let score: Option<f64> = redis::cmd("ZSCORE")
+                .arg(self.keys.servers())
+                .arg(server.as_str())
+                .query_async(&mut c)
+                .await?;
+            if let Some(score) = score.filter(|&s| s as u64 > self.cutoff_ms()) {
+                return Ok(Verdict::TooRecent {
+                    heartbeat_ms: score as u64,
+                });
+            }
         }
         let mut call = REPORT_DEAD_CLUSTER.prepare_invoke();
         call.key(self.keys.server_alive(server))
             .key(self.keys.server_reported(server))
-            .arg(marker_ttl);
+            .key(self.keys.server_fence(server));
+        for key in self.keys.server_members_left(server) {
+            call.key(key);
+        }
+        call.arg(marker_ttl);
         match call.invoke_async::<i64>(&mut c).await? {
             0 => Ok(Verdict::Alive),
             3 => Ok(Verdict::AlreadyReported),
+            4 => {
+                let _: i64 = redis::cmd("ZREM")
+                    .arg(self.keys.servers())
+                    .arg(server.as_str())
+                    .query_async(&mut c)
+                    .await?;
+                Ok(Verdict::FencedClean)
+            }
             _ => {
                 let id =
                     crate::stream::publish_event(&self.conn, &self.keys, &event.encode()).await?;
@@ -122,16 +145,24 @@ impl Reconciler {
     }
 
     /// One pass over `servers`: checks every server whose heartbeat is older than the
-    /// grace period.
+    /// grace period, and every fenced server (see the module docs).
     pub async fn pass(&self) -> Result<PassReport> {
         let mut report = PassReport::default();
         let cutoff = self.cutoff_ms();
-        let stale = self
+        let mut candidates: std::collections::BTreeSet<String> = self
             .known_servers()
             .await?
             .into_iter()
-            .filter(|(_, score)| *score <= cutoff as f64);
-        for (member, _) in stale {
+            .filter(|(_, score)| *score <= cutoff as f64)
+            .map(|(member, _)| member)
+            .collect();
+        let fences =
+            crate::fence::standing(&self.conn, &self.keys, Some(self.settings.fence_ttl_ms))
+                .await?;
+        self.metrics
+            .observe_fences(&fences, self.settings.heartbeat_grace_ms);
+        candidates.extend(fences.into_iter().map(|f| f.server_id));
+        for member in candidates {
             report.candidates += 1;
             let Ok(server) = ServerId::parse(&member) else {
                 report.invalid += 1;
@@ -143,6 +174,7 @@ impl Reconciler {
                 Verdict::Alive => report.alive += 1,
                 Verdict::TooRecent { .. } => report.too_recent += 1,
                 Verdict::AlreadyReported => report.already_reported += 1,
+                Verdict::FencedClean => report.fenced_clean += 1,
             }
         }
         self.metrics.reconcile_passes.inc();

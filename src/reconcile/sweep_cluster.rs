@@ -188,13 +188,23 @@ impl Reconciler {
                     .to_owned()
             })
             .collect();
+        let fences = owners
+            .iter()
+            .map(|s| {
+                redis::cmd("EXISTS")
+                    .arg(self.keys.server_fence(s))
+                    .to_owned()
+            })
+            .collect();
         let alive: Vec<bool> = conn::each_in_flight(&self.conn, exists).await?;
         let scores: Vec<Option<f64>> = conn::each_in_flight(&self.conn, scores).await?;
+        let fenced: Vec<bool> = conn::each_in_flight(&self.conn, fences).await?;
         let cutoff = self.cutoff_ms();
         let mut removed = 0;
-        for ((owner, users), (has_key, score)) in by_owner.iter().zip(alive.into_iter().zip(scores))
-        {
-            let dead = !has_key && score.is_none_or(|s| s as u64 <= cutoff);
+        let states = alive.into_iter().zip(scores).zip(fenced);
+        for ((owner, users), ((has_key, score), fenced)) in by_owner.iter().zip(states) {
+            // Fenced: declared dead for good, whatever its liveness key says.
+            let dead = fenced || (!has_key && score.is_none_or(|s| s as u64 <= cutoff));
             if dead {
                 let (n, _) = crate::forward::check_delete(
                     &self.conn,

@@ -1,8 +1,8 @@
 -- One step of the drift sweep over the forward registry (see reconcile.rs).
 --
 -- Scans the next COUNT entries (HSCAN of `registry`, or SCAN of `user:*`) from the cursor
--- stored in the sweep hash, and deletes every entry whose owner is dead: no liveness key
--- and no heartbeat in `servers` newer than the cutoff. Such entries are stale whether or
+-- stored in the sweep hash, and deletes every entry whose owner is dead: fenced (declared
+-- dead for good), or no liveness key and no heartbeat in `servers` newer than the cutoff. Such entries are stale whether or
 -- not an index still lists them (their reverse set may have been lost). Owner lookups
 -- are cached per step; the owner check and the delete are this one atomic script.
 --
@@ -43,6 +43,8 @@ local function is_dead(owner)
   if dead[owner] == nil then
     if not valid_server_id(owner) then
       dead[owner] = false
+    elseif redis.call('EXISTS', prefix .. 'server:{' .. owner .. '}:fenced') == 1 then
+      dead[owner] = true
     elseif redis.call('EXISTS', prefix .. 'server:{' .. owner .. '}:alive') == 1 then
       dead[owner] = false
     else

@@ -87,8 +87,34 @@ impl fmt::Display for StatusText<'_> {
         writeln!(f, "dead letters    {}", s.dead_letters)?;
         write!(f, "servers known   {}", s.servers_known)?;
         match s.servers_dead {
-            Some(dead) => writeln!(f, " ({dead} dead, not yet cleaned)"),
-            None => writeln!(f),
+            Some(dead) => writeln!(f, " ({dead} dead, not yet cleaned)")?,
+            None => writeln!(f)?,
         }
+        if let Some(fenced) = s.fenced {
+            writeln!(
+                f,
+                "fenced          {fenced} ({} tried to write after their verdict)",
+                s.fenced_still_writing.len()
+            )?;
+        }
+        let now = registry_janitor::now_ms();
+        for fence in s.fenced_still_writing.iter().take(20) {
+            let last = fence.last_refused_ms.unwrap_or(0);
+            let state = if fence.writing(now, s.writing_window_ms) {
+                "STILL WRITING (false positive or zombie)"
+            } else {
+                "quiet now"
+            };
+            writeln!(
+                f,
+                "  {:<40} refused: {} register, {} heartbeat, {} unregister; last {} ms ago: {state}",
+                fence.server_id,
+                fence.refused_register,
+                fence.refused_heartbeat,
+                fence.refused_unregister,
+                now.saturating_sub(last)
+            )?;
+        }
+        Ok(())
     }
 }

@@ -1,0 +1,414 @@
+//! Fencing, against real redis-servers: once a worker takes `server.dead` for S, S's
+//! writes through the connection-server protocol are refused (`Error::Fenced`), a routing
+//! lookup never returns S, and the reconciler agrees.
+
+mod common;
+
+use std::{
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
+
+use common::*;
+use registry_janitor::{
+    config::Layout, error::Error, event::ServerId, fence, metrics::Metrics, reconcile::Reconciler,
+    registry::Registry,
+};
+
+/// The fence's `fenced_at_ms`, once it stands.
+async fn fenced_at(f: &Fixture, s: &ServerId) -> Option<u64> {
+    f.query(
+        redis::cmd("HGET")
+            .arg(f.keys.server_fence(s))
+            .arg("fenced_at_ms"),
+    )
+    .await
+}
+
+/// A connection server that keeps heartbeating through a false-positive verdict learns
+/// it is fenced at its first heartbeat after the verdict (so within one interval), and
+/// comes back under a new incarnation whose users route to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_server_declared_dead_is_told_at_its_next_heartbeat() {
+    for layout in [Layout::Hash, Layout::Keys] {
+        let f = Fixture::new(layout);
+        let s = server("gw-7#1");
+        const USERS: usize = 3_000;
+        const INTERVAL_MS: u64 = 100;
+        f.seed(&s, USERS).await;
+        // The connection server: one heartbeat every INTERVAL_MS; each one's start time
+        // (unix ms) and whether it was refused.
+        let beats = {
+            let (registry, conn, s) = (f.registry.clone(), f.conn.clone(), s.clone());
+            tokio::spawn(async move {
+                let mut beats = Vec::new();
+                loop {
+                    let started = registry_janitor::now_ms();
+                    match registry.heartbeat(&conn, &s, 60_000).await {
+                        Ok(()) => beats.push((started, false)),
+                        Err(Error::Fenced { server }) => {
+                            assert_eq!(server, s.as_str());
+                            beats.push((started, true));
+                            return (beats, registry_janitor::now_ms());
+                        }
+                        Err(e) => panic!("heartbeat failed: {e}"),
+                    }
+                    tokio::time::sleep(Duration::from_millis(INTERVAL_MS)).await;
+                }
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(3 * INTERVAL_MS)).await;
+        let worker = spawn_worker(&f.settings);
+        f.kill(&s).await; // monitoring lost sight of a live server
+        let (beats, told_at) = tokio::time::timeout(Duration::from_secs(30), beats)
+            .await
+            .expect("the server was never told")
+            .unwrap();
+        let verdict = fenced_at(&f, &s).await.expect("a fence stands");
+        // Every heartbeat that started after the verdict was refused (the first one
+        // ended the loop), and none before it.
+        let (last_started, refused) = *beats.last().unwrap();
+        assert!(refused && last_started >= verdict, "{layout:?}: {beats:?}");
+        assert!(
+            beats[..beats.len() - 1].iter().all(|&(_, r)| !r),
+            "{layout:?}"
+        );
+        let previous = beats[beats.len() - 2].0;
+        assert!(
+            previous <= verdict,
+            "{layout:?}: a heartbeat started after the verdict ({verdict}) was taken: {beats:?}"
+        );
+        eprintln!(
+            "{layout:?}: told {} ms after the verdict (heartbeat every {INTERVAL_MS} ms)",
+            told_at.saturating_sub(verdict)
+        );
+        // Its writes are refused from now on, and none of them lands.
+        let late = b"late-user".to_vec();
+        assert!(matches!(
+            f.registry.register(&f.conn, &late, &s).await,
+            Err(Error::Fenced { .. })
+        ));
+        assert!(matches!(
+            f.registry.unregister(&f.conn, &user(&s, 0), &s).await,
+            Err(Error::Fenced { .. })
+        ));
+        f.wait_idle().await;
+        assert_eq!(f.owner(&late).await, None, "{layout:?}");
+        assert_eq!(f.still_pointing(&s, USERS).await, 0, "{layout:?}");
+        // It comes back under a new incarnation; its users reconnect to it.
+        let again = server("gw-7#2");
+        f.registry.heartbeat(&f.conn, &again, 60_000).await.unwrap();
+        for n in 0..10 {
+            f.reconnect(&user(&s, n), &again).await;
+            let routed = f.registry.route(&f.conn, &user(&s, n)).await.unwrap();
+            assert_eq!(routed.as_deref(), Some("gw-7#2"), "{layout:?}");
+        }
+        worker.stop().await;
+    }
+}
+
+/// A zombie registers users before, during and after the cleanup of its incarnation:
+/// every registration is either refused or cleaned before the acknowledgement, and no
+/// entry names S afterwards; the users of a live server are untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zombie_registering_through_the_cleanup_leaves_nothing() {
+    for layout in [Layout::Hash, Layout::Keys] {
+        let f = Fixture::with(layout, |s| {
+            s.chunk_size = 20;
+            s.chunks_in_flight = 1;
+        });
+        let (dead, live) = (server("gw-zombie#1"), server("gw-live#1"));
+        const USERS: usize = 10_000;
+        f.seed(&dead, USERS).await;
+        f.seed(&live, 200).await;
+        // Stops once it has been refused `after` more times than `stop_after` says.
+        let stop_after = Arc::new(AtomicU64::new(u64::MAX));
+        let refusals = Arc::new(AtomicU64::new(0));
+        let zombie = {
+            let (registry, conn, dead) = (f.registry.clone(), f.conn.clone(), dead.clone());
+            let (stop_after, refusals) = (stop_after.clone(), refusals.clone());
+            tokio::spawn(async move {
+                let (mut taken, mut tried) = (0u64, Vec::new());
+                for n in 0.. {
+                    let u = format!("zombie-{n}").into_bytes();
+                    tried.push(u.clone());
+                    match registry.register(&conn, &u, &dead).await {
+                        Ok(()) => {
+                            let refused = refusals.load(Ordering::Relaxed);
+                            assert_eq!(refused, 0, "a write was taken after one was refused");
+                            taken += 1;
+                        }
+                        Err(Error::Fenced { .. }) => {
+                            let refused = refusals.fetch_add(1, Ordering::Relaxed) + 1;
+                            if refused >= stop_after.load(Ordering::Relaxed) {
+                                return (taken, refused, tried);
+                            }
+                        }
+                        Err(e) => panic!("register failed: {e}"),
+                    }
+                }
+                unreachable!()
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let worker = spawn_worker(&f.settings);
+        f.kill(&dead).await;
+        f.wait_idle().await;
+        // And on after the acknowledgement.
+        stop_after.store(refusals.load(Ordering::Relaxed) + 500, Ordering::Relaxed);
+        let (taken, refused, tried) = tokio::time::timeout(Duration::from_secs(120), zombie)
+            .await
+            .expect("the zombie never got fenced")
+            .unwrap();
+        f.wait_idle().await;
+        assert!(taken > 0 && refused > 0, "{layout:?}: {taken} {refused}");
+        assert_none_point_at(&f.registry, &f.conn, &tried, &dead, 1000).await;
+        assert_eq!(f.still_pointing(&dead, USERS).await, 0, "{layout:?}");
+        assert_eq!(
+            f.still_pointing(&live, 200).await,
+            200,
+            "{layout:?}: live lost"
+        );
+        let left: i64 = f
+            .query(redis::cmd("EXISTS").arg(&f.keys.server_members_left(&dead)))
+            .await;
+        assert_eq!(left, 0, "{layout:?}: a reverse set of the zombie is left");
+        worker.stop().await;
+    }
+}
+
+/// Route against a plain HGET/GET: once the verdict stands, route never returns the dead
+/// owner (even one whose liveness key is still there: a false positive), while the plain
+/// read does until the cleanup reaches the entry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn route_never_returns_a_fenced_owner_during_a_long_cleanup() {
+    for layout in [Layout::Hash, Layout::Keys] {
+        let f = Fixture::with(layout, |s| {
+            s.chunk_size = 50;
+            s.chunks_in_flight = 1;
+        });
+        let (dead, live) = (server("gw-dead#1"), server("gw-live#1"));
+        const USERS: usize = 20_000;
+        f.seed(&dead, USERS).await; // its liveness key stays: only the fence tells
+        f.seed(&live, 100).await;
+        // Before the verdict route returns the owner; the fence alone changes that.
+        let first = user(&dead, 0);
+        assert_eq!(
+            f.registry.route(&f.conn, &first).await.unwrap().as_deref(),
+            Some(dead.as_str())
+        );
+        let worker = spawn_worker(&f.settings);
+        let id = f.kill(&dead).await;
+        wait_until(&f.redis, "the fence", Duration::from_secs(30), || async {
+            fence::is_fenced(&f.conn, &f.keys, &dead).await.unwrap()
+        })
+        .await;
+        let (mut routed_dead, mut read_dead, mut lookups) = (0, 0, 0);
+        let mut n = USERS - 1;
+        while is_pending(&f.conn, &f.keys, &id).await {
+            let u = user(&dead, n);
+            n = (n + USERS - 7) % USERS;
+            // A plain read first: it sees the entry while the cleanup has not reached it.
+            read_dead += usize::from(f.owner(&u).await.as_deref() == Some(dead.as_str()));
+            let routed = f.registry.route(&f.conn, &u).await.unwrap();
+            routed_dead += usize::from(routed.as_deref() == Some(dead.as_str()));
+            lookups += 1;
+        }
+        eprintln!(
+            "{layout:?}: {lookups} lookups after the verdict: route returned the dead owner \
+             {routed_dead} times, a plain read {read_dead} times"
+        );
+        assert_eq!(routed_dead, 0, "{layout:?}");
+        assert!(
+            read_dead > 0,
+            "{layout:?}: the cleanup was too fast to show anything"
+        );
+        f.wait_idle().await;
+        assert_eq!(f.still_pointing(&dead, USERS).await, 0);
+        assert_eq!(f.still_pointing(&live, 100).await, 100, "live lost");
+        for n in 0..100 {
+            let routed = f.registry.route(&f.conn, &user(&live, n)).await.unwrap();
+            assert_eq!(routed.as_deref(), Some(live.as_str()));
+        }
+        worker.stop().await;
+    }
+}
+
+/// What route does with each kind of owner: alive (returned), past its liveness (none,
+/// entry kept: it may be a slow heartbeat), fenced (none, entry deleted), no entry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn route_returns_only_a_live_unfenced_owner() {
+    for layout in [Layout::Hash, Layout::Keys] {
+        let f = Fixture::new(layout);
+        let (alive, expired, fenced) = (server("a#1"), server("b#1"), server("c#1"));
+        for s in [&alive, &expired, &fenced] {
+            f.seed(s, 1).await;
+        }
+        let _: i64 = f
+            .query(redis::cmd("DEL").arg(f.keys.server_alive(&expired)))
+            .await;
+        fence::record(&f.conn, &f.keys, &fenced, None, 60_000)
+            .await
+            .unwrap();
+        let route = |s: &ServerId| {
+            let u = user(s, 0);
+            let (registry, conn) = (f.registry.clone(), f.conn.clone());
+            async move { registry.route(&conn, &u).await.unwrap() }
+        };
+        assert_eq!(route(&alive).await.as_deref(), Some("a#1"), "{layout:?}");
+        assert_eq!(route(&expired).await, None, "{layout:?}");
+        assert_eq!(f.owner(&user(&expired, 0)).await.as_deref(), Some("b#1"));
+        assert_eq!(route(&fenced).await, None, "{layout:?}");
+        assert_eq!(f.owner(&user(&fenced, 0)).await, None, "{layout:?}");
+        assert_eq!(f.registry.route(&f.conn, b"nobody").await.unwrap(), None);
+    }
+}
+
+/// The reconciler and the fence agree: a fenced, clean server is not reported again even
+/// though a writer of the original protocol still heartbeats for it; members such a
+/// writer adds make it reported again until it is clean; the drift sweep treats a fenced
+/// owner as dead, liveness key or not. Refused writes are counted by operation, and
+/// `status` lists the fenced server that still tries to write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reconciler_treats_a_fenced_server_as_dead_for_good() {
+    let f = Fixture::with(Layout::Hash, |s| s.reconcile_interval_ms = 100);
+    let s = server("gw-fenced#1");
+    f.seed(&s, 50).await;
+    let worker = spawn_worker(&f.settings);
+    f.kill(&s).await;
+    f.wait_idle().await;
+    // A connection server of the original protocol: plain SET/ZADD heartbeats.
+    let legacy_heartbeat = || async {
+        let _: () = redis::pipe()
+            .set_ex(f.keys.server_alive(&s), 1, 600)
+            .ignore()
+            .zadd(f.keys.servers(), s.as_str(), registry_janitor::now_ms())
+            .ignore()
+            .query_async(&mut f.conn.clone())
+            .await
+            .unwrap();
+    };
+    legacy_heartbeat().await;
+    let metrics = Metrics::new();
+    let reconciler = Reconciler::new(&f.settings, metrics.clone()).await.unwrap();
+    let pass = reconciler.pass().await.unwrap();
+    assert_eq!((pass.published, pass.fenced_clean), (0, 1), "{pass:?}");
+    // Its late members (original protocol, so not refused) make it reported again.
+    for n in 0..5 {
+        f.registry
+            .register_legacy(&f.conn, format!("late-{n}").as_bytes(), &s)
+            .await
+            .unwrap();
+    }
+    legacy_heartbeat().await;
+    let pass = reconciler.pass().await.unwrap();
+    assert_eq!(pass.published, 1, "{pass:?}");
+    f.wait_idle().await;
+    for n in 0..5 {
+        assert_eq!(f.owner(format!("late-{n}").as_bytes()).await, None);
+    }
+    // A forward entry naming the fenced owner that no index knows: the drift sweep
+    // removes it although the owner's liveness key is there.
+    let () = f
+        .query(
+            redis::cmd("HSET")
+                .arg(f.keys.registry())
+                .arg("orphan")
+                .arg(s.as_str()),
+        )
+        .await;
+    legacy_heartbeat().await;
+    let once = reconciler.run_once().await.unwrap();
+    assert_eq!(once.sweep.entries_removed, 1, "{once}");
+    assert_eq!(f.owner(b"orphan").await, None);
+    // Refused writes of the protocol: counted by operation, and listed by status.
+    for _ in 0..3 {
+        let refused = f.registry.heartbeat(&f.conn, &s, 1000).await;
+        assert!(matches!(refused, Err(Error::Fenced { .. })));
+    }
+    let refused = f.registry.register(&f.conn, b"again", &s).await;
+    assert!(matches!(refused, Err(Error::Fenced { .. })));
+    reconciler.pass().await.unwrap();
+    let by_op = |op: &str| metrics.fence_refused_writes.with_label_values(&[op]).get();
+    assert_eq!((by_op("heartbeat"), by_op("register")), (3, 1));
+    assert_eq!(metrics.fenced_servers_writing.get(), 1);
+    let status = registry_janitor::status::collect(&f.settings)
+        .await
+        .unwrap();
+    assert_eq!(status.fenced, Some(1));
+    let writing: Vec<&str> = status
+        .fenced_still_writing
+        .iter()
+        .map(|f| f.server_id.as_str())
+        .collect();
+    assert_eq!(writing, [s.as_str()]);
+    worker.stop().await;
+}
+
+/// Recording a fence twice keeps the first verdict's time, and a fence stands for
+/// `fence_ttl_ms`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fence_recorded_twice_keeps_its_first_verdict() {
+    let f = Fixture::new(Layout::Hash);
+    let s = server("gw-1#1");
+    let first = fence::record(&f.conn, &f.keys, &s, Some("1-1"), 600_000)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let second = fence::record(&f.conn, &f.keys, &s, Some("2-1"), 600_000)
+        .await
+        .unwrap();
+    assert_eq!(first, second);
+    let ttl: i64 = f
+        .query(redis::cmd("PTTL").arg(f.keys.server_fence(&s)))
+        .await;
+    assert!((500_000..=600_000).contains(&ttl), "{ttl}");
+    let standing = fence::standing(&f.conn, &f.keys, Some(600_000))
+        .await
+        .unwrap();
+    assert_eq!(standing.len(), 1);
+    assert_eq!(standing[0].entry.as_deref(), Some("1-1"));
+}
+
+/// Heartbeats of many live servers are not disturbed by a verdict against another, and
+/// a connection server's protocol writes go on while the janitor cleans.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_servers_write_on_through_a_cleanup() {
+    let f = Fixture::new(Layout::Hash);
+    let (dead, live) = (server("gw-dead#1"), server("gw-live#1"));
+    f.seed(&dead, 5_000).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let written = Arc::new(AtomicU64::new(0));
+    let writer = {
+        let (registry, conn, live) = (f.registry.clone(), f.conn.clone(), live.clone());
+        let (stop, written) = (stop.clone(), written.clone());
+        tokio::spawn(async move {
+            let mut n = 0;
+            while !stop.load(Ordering::Relaxed) {
+                registry.heartbeat(&conn, &live, 60_000).await.unwrap();
+                registry
+                    .register(&conn, format!("l{n}").as_bytes(), &live)
+                    .await
+                    .unwrap();
+                n += 1;
+                written.store(n, Ordering::Relaxed);
+            }
+            n
+        })
+    };
+    let worker = spawn_worker(&f.settings);
+    f.kill(&dead).await;
+    f.wait_idle().await;
+    stop.store(true, Ordering::Relaxed);
+    let n = writer.await.unwrap();
+    assert!(n > 0);
+    let r = Registry::new(f.keys.clone(), Layout::Hash);
+    for i in 0..n {
+        let routed = r.route(&f.conn, format!("l{i}").as_bytes()).await.unwrap();
+        assert_eq!(routed.as_deref(), Some(live.as_str()));
+    }
+    worker.stop().await;
+}
