@@ -10,7 +10,10 @@ use common::*;
 use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, DistinguishedName, DnType, IsCa, KeyPair,
 };
-use registry_janitor::{config::Layout, testkit::RedisServer};
+use registry_janitor::{
+    config::Layout, conn::RedisConn, error::Error, event::ServerId, registry::Registry,
+    testkit::RedisServer,
+};
 
 fn text(out: &Output) -> (String, String) {
     (
@@ -162,7 +165,7 @@ async fn the_flow_runs_over_mutual_tls_and_a_wrong_ca_fails_fast() {
     );
 }
 
-fn server_id(s: &str) -> registry_janitor::event::ServerId {
+fn server_id(s: &str) -> ServerId {
     server(s)
 }
 
@@ -205,6 +208,7 @@ async fn each_role_runs_the_flow_with_only_its_acl_rules() {
         "janitor-reconciler",
         "janitor-emitter",
         "janitor-operator",
+        "connection-server",
     ] {
         assert!(
             users.iter().any(|u| u == role),
@@ -286,6 +290,8 @@ async fn each_role_runs_the_flow_with_only_its_acl_rules() {
         !log.to_lowercase().contains("no permissions"),
         "the worker needed a permission it lacks:\n{log}"
     );
+    connection_server_runs_the_protocol(&f, &connect(&as_role("connection-server")), &announced)
+        .await;
 
     // Outside its rules a role fails, and the error names what was refused.
     let out = janitor(&as_role("janitor-emitter"))
@@ -307,6 +313,85 @@ async fn each_role_runs_the_flow_with_only_its_acl_rules() {
         !out.status.success() && stderr.contains("no permissions"),
         "{stderr}"
     );
+}
+
+/// As the `connection-server` user, with only its ACL rules: the protocol of protocol/*.lua
+/// in both layouts, refused as FENCED on `fenced` (which the worker fenced under its own
+/// rules); and refused by the ACL for what a connection server never runs.
+async fn connection_server_runs_the_protocol(f: &Fixture, conn: &RedisConn, fenced: &ServerId) {
+    let live = server("gw-live#1");
+    for registry in [
+        f.registry.clone(),
+        Registry::new(f.keys.clone(), Layout::Keys),
+    ] {
+        registry.heartbeat(conn, &live, 60_000).await.unwrap();
+        for u in [&b"cs-a"[..], b"cs-b"] {
+            registry.register(conn, u, &live).await.unwrap();
+        }
+        let route = registry.route(conn, b"cs-a").await.unwrap();
+        assert_eq!(route.as_deref(), Some(live.as_str()));
+        registry.unregister(conn, b"cs-a", &live).await.unwrap();
+        assert_eq!(registry.route(conn, b"cs-a").await.unwrap(), None);
+        assert_eq!(registry.owner(&f.conn, b"cs-a").await.unwrap(), None);
+        let owner = registry.owner(&f.conn, b"cs-b").await.unwrap();
+        assert_eq!(owner.as_deref(), Some(live.as_str()));
+        registry.unregister(conn, b"cs-b", &live).await.unwrap();
+    }
+    let members: usize = f
+        .query(redis::cmd("SCARD").arg(f.keys.server_users(&live)))
+        .await;
+    assert_eq!(members, 0);
+
+    // The worker fenced `fenced`: its writes are refused, and the refusals are noted.
+    let refused = f.registry.heartbeat(conn, fenced, 60_000).await;
+    assert!(matches!(refused, Err(Error::Fenced { .. })), "{refused:?}");
+    let refused = f.registry.register(conn, b"cs-late", fenced).await;
+    assert!(matches!(refused, Err(Error::Fenced { .. })), "{refused:?}");
+    assert_eq!(f.owner(b"cs-late").await, None);
+    let notes: Vec<Option<u64>> = f
+        .query(
+            redis::cmd("HMGET")
+                .arg(f.keys.server_fence(fenced))
+                .arg("refused_heartbeat")
+                .arg("refused_register"),
+        )
+        .await;
+    assert_eq!(notes, [Some(1), Some(1)]);
+    // A routing lookup that finds the fenced owner deletes the entry (the worker's
+    // cleanup is done, so this one is written behind its back).
+    for registry in [
+        f.registry.clone(),
+        Registry::new(f.keys.clone(), Layout::Keys),
+    ] {
+        registry
+            .register_legacy(&f.conn, b"cs-stale", fenced)
+            .await
+            .unwrap();
+        assert_eq!(registry.route(conn, b"cs-stale").await.unwrap(), None);
+        assert_eq!(registry.owner(&f.conn, b"cs-stale").await.unwrap(), None);
+    }
+
+    // Outside its rules: the streams, and lifting a fence.
+    let (fence, events) = (f.keys.server_fence(fenced), f.keys.events());
+    for line in [
+        format!("XADD {events} * type server.dead"),
+        format!("XLEN {events}"),
+        format!("DEL {fence}"),
+        format!("HDEL {fence} fenced_at_ms"),
+        format!("PEXPIRE {fence} 1"),
+    ] {
+        let mut words = line.split_whitespace();
+        let mut cmd = redis::cmd(words.next().unwrap());
+        cmd.arg(words.collect::<Vec<_>>());
+        let reply: redis::RedisResult<redis::Value> = cmd.query_async(&mut conn.clone()).await;
+        assert!(
+            reply.as_ref().is_err_and(|e| e.code() == Some("NOPERM")),
+            "connection-server must be refused `{line}`: {reply:?}"
+        );
+    }
+    assert!(registry_janitor::fence::is_fenced(&f.conn, &f.keys, fenced)
+        .await
+        .unwrap());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
