@@ -114,7 +114,7 @@ class ConnectionServer:
 
     def _user_keys(self, user: bytes) -> list:
         forward = forward_key(user, self.layout, self.key_prefix)
-        return [self._key("fenced"), self._key("users"), forward]
+        return [self._key("fenced"), self._key("refused"), self._key("users"), forward]
 
     def _call(self, name: str, keys: list, args: list):
         try:
@@ -127,7 +127,7 @@ class ConnectionServer:
 
     def heartbeat(self, ttl_ms: int) -> None:
         """Refreshes `server:{id}:alive` (TTL `ttl_ms`) and this server's `servers` score."""
-        keys = [self._key("fenced"), self._key("alive"), f"{self.key_prefix}servers"]
+        keys = [self._key("fenced"), self._key("refused"), self._key("alive"), f"{self.key_prefix}servers"]
         self._call("heartbeat", keys, [self.server_id, ttl_ms, now_ms()])
 
     def register(self, user: bytes) -> None:

@@ -18,6 +18,7 @@
 //! | `server:{<server>}:reported`| String | the reconciler: "event published", TTL |
 //! | `janitor:sweep`            | Hash   | the reconciler: the drift sweep's cursor|
 //! | `server:{<server>}:fenced` | Hash   | the workers: the verdict, with a TTL    |
+//! | `server:{<server>}:refused`| Hash   | connection servers: refused writes      |
 //! | `janitor:fenced`           | ZSet   | the workers: index of fences, by time   |
 //!
 //! The last five keys are the janitor's own. `cleanup` records how far the walk of a
@@ -128,6 +129,14 @@ impl Keys {
     /// and the refused writes the protocol scripts note). See [`crate::fence`].
     pub fn server_fence(&self, server: &ServerId) -> String {
         self.server_key(server, "fenced")
+    }
+
+    /// Writes of a fenced server refused by the protocol (Hash: one count per operation,
+    /// `last_ms`), noted by the protocol scripts, with the fence's lifetime. A key apart
+    /// from the fence, so that a connection server's ACL user may note refusals without
+    /// being able to write (so create) a fence.
+    pub fn server_refusals(&self, server: &ServerId) -> String {
+        self.server_key(server, "refused")
     }
 
     /// The index of fences (ZSet: member = server id, score = unix ms of the latest

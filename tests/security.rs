@@ -351,9 +351,9 @@ async fn connection_server_runs_the_protocol(f: &Fixture, conn: &RedisConn, fenc
     let notes: Vec<Option<u64>> = f
         .query(
             redis::cmd("HMGET")
-                .arg(f.keys.server_fence(fenced))
-                .arg("refused_heartbeat")
-                .arg("refused_register"),
+                .arg(f.keys.server_refusals(fenced))
+                .arg("heartbeat")
+                .arg("register"),
         )
         .await;
     assert_eq!(notes, [Some(1), Some(1)]);

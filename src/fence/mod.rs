@@ -5,12 +5,14 @@
 //! S's other keys on a cluster) with a lifetime of `fence_ttl_ms` (days). From then on,
 //! the connection-server protocol (`protocol/*.lua`, [`crate::registry`]) refuses every
 //! register, heartbeat and unregister of S with the error `FENCED`, and a routing lookup
-//! never returns S. The protocol scripts note each refusal in the fence
-//! (`refused_<operation>`, `last_refused_ms`), which is how `status` and the metrics
-//! show a fenced server that still tries to write: a false positive, or a zombie.
+//! never returns S. The protocol scripts note each refusal in `server:{S}:refused` (one
+//! count per operation, `last_ms`; a key apart from the fence, so that a connection
+//! server's ACL user can note refusals without being able to create a fence), which is
+//! how `status` and the metrics show a fenced server that still tries to write: a false
+//! positive, or a zombie.
 //!
 //! Fields of the fence: `fenced_at_ms` (unix ms of the first verdict), `entry` (the
-//! stream entry id of that `server.dead`), and the refusal notes above. `janitor:fenced`
+//! stream entry id of that `server.dead`). `janitor:fenced`
 //! indexes the fences (member = S, score = unix ms of the latest verdict), so that no
 //! SCAN is needed to find them; entries older than `fence_ttl_ms` are pruned as read.
 
@@ -23,8 +25,8 @@ use crate::{conn::RedisConn, error::Result, event::ServerId, keys::Keys};
 static RECORD: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(include_str!("record.lua")));
 
-/// The operations of the protocol that a fence refuses, as named in the fence's
-/// `refused_<operation>` fields and in the metric's `op` label.
+/// The operations of the protocol that a fence refuses, as named in the fields of
+/// `server:{S}:refused` and in the metric's `op` label.
 pub const OPERATIONS: [&str; 3] = ["register", "heartbeat", "unregister"];
 
 /// Records the fence of `server` (idempotent), then indexes it. Returns the unix ms of
@@ -130,25 +132,30 @@ pub async fn standing(
         .collect();
     let mut fences = Vec::new();
     for page in servers.chunks(PAGE) {
-        let reads = page
-            .iter()
-            .map(|s| redis::cmd("HGETALL").arg(keys.server_fence(s)).to_owned())
-            .collect();
-        let fields: Vec<std::collections::HashMap<String, String>> =
-            crate::conn::each_in_flight(conn, reads).await?;
-        for (server, fields) in page.iter().zip(fields) {
+        let reads = |key: fn(&Keys, &ServerId) -> String| {
+            page.iter()
+                .map(|s| redis::cmd("HGETALL").arg(key(keys, s)).to_owned())
+                .collect()
+        };
+        type Fields = std::collections::HashMap<String, String>;
+        let records: Vec<Fields> =
+            crate::conn::each_in_flight(conn, reads(Keys::server_fence)).await?;
+        let notes: Vec<Fields> =
+            crate::conn::each_in_flight(conn, reads(Keys::server_refusals)).await?;
+        for ((server, fields), notes) in page.iter().zip(records).zip(notes) {
             if fields.is_empty() {
                 continue;
             }
             let number = |name: &str| fields.get(name).and_then(|v| v.parse::<u64>().ok());
+            let noted = |name: &str| notes.get(name).and_then(|v| v.parse::<u64>().ok());
             fences.push(Fence {
                 server_id: server.as_str().to_owned(),
                 fenced_at_ms: number("fenced_at_ms").unwrap_or(0),
                 entry: fields.get("entry").cloned(),
-                refused_register: number("refused_register").unwrap_or(0),
-                refused_heartbeat: number("refused_heartbeat").unwrap_or(0),
-                refused_unregister: number("refused_unregister").unwrap_or(0),
-                last_refused_ms: number("last_refused_ms"),
+                refused_register: noted("register").unwrap_or(0),
+                refused_heartbeat: noted("heartbeat").unwrap_or(0),
+                refused_unregister: noted("unregister").unwrap_or(0),
+                last_refused_ms: noted("last_ms"),
             });
         }
     }

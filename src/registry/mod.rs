@@ -133,6 +133,7 @@ impl Registry {
     pub async fn register(&self, conn: &RedisConn, user: &[u8], server: &ServerId) -> Result<()> {
         let mut call = REGISTER.prepare_invoke();
         call.key(self.keys.server_fence(server))
+            .key(self.keys.server_refusals(server))
             .key(self.keys.server_users(server));
         if conn.is_cluster() {
             let () = self
@@ -242,6 +243,7 @@ impl Registry {
     pub async fn unregister(&self, conn: &RedisConn, user: &[u8], server: &ServerId) -> Result<()> {
         let mut call = UNREGISTER.prepare_invoke();
         call.key(self.keys.server_fence(server))
+            .key(self.keys.server_refusals(server))
             .key(self.keys.server_users(server));
         if conn.is_cluster() {
             self.release(conn, user, server).await?;
@@ -270,6 +272,7 @@ impl Registry {
         let now = crate::now_ms();
         let mut call = HEARTBEAT.prepare_invoke();
         call.key(self.keys.server_fence(server))
+            .key(self.keys.server_refusals(server))
             .key(self.keys.server_alive(server));
         if !conn.is_cluster() {
             call.key(self.keys.servers());
