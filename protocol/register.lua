@@ -7,9 +7,11 @@
 --
 -- One node: KEYS[1] server:{S}:fenced  KEYS[2] server:{S}:refused  KEYS[3] server:{S}:users
 --           KEYS[4] the forward entry: `registry` (layout hash) or `user:<user>` (keys)
--- Redis Cluster: the forward entry is in another slot. Write it first (HSET registry
---   <user> <S>, or SET user:<user> <S>), then call this script with KEYS[1] to KEYS[3]
---   only. If it answers FENCED, undo the forward entry with release.lua.
+-- Redis Cluster: the forward entry is in another slot. If KEYS[1] exists, call this
+--   script with KEYS[1] to KEYS[3] only (it refuses, and notes it) and write no forward
+--   entry. Otherwise write it first (HSET registry <user> <S>, or SET user:<user> <S>),
+--   then call this script with KEYS[1] to KEYS[3] only. If it answers FENCED, undo the
+--   forward entry with release.lua.
 -- ARGV[1] user id  ARGV[2] server id S  ARGV[3] 'hash' or 'keys'
 -- Returns 1, or the error reply "FENCED ..."
 -- (Every key name carries the deployment's key_prefix.)

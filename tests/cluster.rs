@@ -685,3 +685,38 @@ async fn fencing_holds_on_a_cluster() {
     assert_eq!(f.still_pointing(&live, 100).await, 100, "live entries lost");
     worker.stop().await;
 }
+
+/// A fenced server's `register` on a cluster must not take away the entry of a user who
+/// is registered on a live server: on one node register.lua writes nothing when fenced,
+/// and the README says "`FENCED` (nothing written)". On a cluster the forward entry is
+/// written before the fence check and released after, which deletes the live entry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_register_on_a_cluster_leaves_a_live_servers_entry() {
+    use registry_janitor::{error::Error, fence};
+    for layout in [Layout::Hash, Layout::Keys] {
+        let Some(f) = ClusterFixture::start(3, 0, layout, 10).await else {
+            return;
+        };
+        let (fenced, live) = (server("gw-fenced#1"), server("gw-live#1"));
+        f.registry.heartbeat(&f.conn, &live, 60_000).await.unwrap();
+        f.registry.heartbeat(&f.conn, &fenced, 60_000).await.unwrap();
+        fence::record(&f.conn, &f.keys, &fenced, None, 600_000)
+            .await
+            .unwrap();
+        let u = b"reconnected-user".to_vec();
+        f.registry.register(&f.conn, &u, &live).await.unwrap();
+        // A late write of the zombie for the same user (e.g. a retried connect).
+        let refused = f.registry.register(&f.conn, &u, &fenced).await;
+        assert!(matches!(refused, Err(Error::Fenced { .. })), "{layout:?}");
+        assert_eq!(
+            f.registry.owner(&f.conn, &u).await.unwrap().as_deref(),
+            Some(live.as_str()),
+            "{layout:?}: the live entry was lost to a refused registration"
+        );
+        assert_eq!(
+            f.registry.route(&f.conn, &u).await.unwrap().as_deref(),
+            Some(live.as_str()),
+            "{layout:?}"
+        );
+    }
+}

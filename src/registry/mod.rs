@@ -136,6 +136,14 @@ impl Registry {
             .key(self.keys.server_refusals(server))
             .key(self.keys.server_users(server));
         if conn.is_cluster() {
+            // A server already fenced writes no forward entry: that write would replace
+            // the entry of a user registered on a live server, and the release after the
+            // refusal would then delete it. register.lua alone refuses (and notes it).
+            if crate::fence::is_fenced(conn, &self.keys, server).await? {
+                call.arg(user).arg(server.as_str()).arg(self.layout_name());
+                return unless_fenced(call.invoke_async::<i64>(&mut conn.clone()).await, server)
+                    .map(drop);
+            }
             let () = self
                 .forward_write(user, server)
                 .query_async(&mut conn.clone())
