@@ -246,12 +246,18 @@ impl Settings {
         if self.heartbeat_grace_ms == 0 {
             return bad("heartbeat_grace_ms", "must be at least 1");
         }
-        if self.fence_ttl_ms < 60_000 || self.fence_ttl_ms <= self.heartbeat_grace_ms {
+        // At most a year: Redis refuses a PEXPIRE past its largest time, and record.lua
+        // would fail after its HSETNX, leaving a fence with no lifetime.
+        const MAX_FENCE_TTL_MS: u64 = 365 * 24 * 3600 * 1000;
+        if self.fence_ttl_ms < 60_000
+            || self.fence_ttl_ms <= self.heartbeat_grace_ms
+            || self.fence_ttl_ms > MAX_FENCE_TTL_MS
+        {
             return bad(
                 "fence_ttl_ms",
                 format!(
-                    "must be at least 60000 and longer than heartbeat_grace_ms (a zombie must \
-                     not outlive its fence), got {}",
+                    "must be at least 60000, longer than heartbeat_grace_ms (a zombie must \
+                     not outlive its fence) and at most {MAX_FENCE_TTL_MS} (a year), got {}",
                     self.fence_ttl_ms
                 ),
             );
