@@ -700,7 +700,10 @@ async fn a_refused_register_on_a_cluster_leaves_a_live_servers_entry() {
         };
         let (fenced, live) = (server("gw-fenced#1"), server("gw-live#1"));
         f.registry.heartbeat(&f.conn, &live, 60_000).await.unwrap();
-        f.registry.heartbeat(&f.conn, &fenced, 60_000).await.unwrap();
+        f.registry
+            .heartbeat(&f.conn, &fenced, 60_000)
+            .await
+            .unwrap();
         fence::record(&f.conn, &f.keys, &fenced, None, 600_000)
             .await
             .unwrap();

@@ -73,7 +73,10 @@ async fn a_live_server_declared_dead_is_told_at_its_next_heartbeat() {
         // which a start-time check made a flake on a busy machine); every heartbeat
         // taken started before the verdict.
         let (_, refused) = *beats.last().unwrap();
-        assert!(refused && told_at >= verdict, "{layout:?}: {beats:?} {told_at}");
+        assert!(
+            refused && told_at >= verdict,
+            "{layout:?}: {beats:?} {told_at}"
+        );
         assert!(
             beats[..beats.len() - 1].iter().all(|&(_, r)| !r),
             "{layout:?}"
@@ -270,7 +273,8 @@ async fn route_returns_only_a_live_unfenced_owner() {
 }
 
 /// The reconciler and the fence agree: a fenced, clean server is not reported again even
-/// though a writer of the original protocol still heartbeats for it; members such a
+/// though a writer of the original protocol still heartbeats for it (and so put it back
+/// in `servers`); members such a
 /// writer adds make it reported again until it is clean; the drift sweep treats a fenced
 /// owner as dead, liveness key or not. Refused writes are counted by operation, and
 /// `status` lists the fenced server that still tries to write.
@@ -413,4 +417,32 @@ async fn live_servers_write_on_through_a_cleanup() {
         assert_eq!(routed.as_deref(), Some(live.as_str()));
     }
     worker.stop().await;
+}
+
+/// unregister.lua answers the number of forward entries it deleted (its header and the
+/// README's table): a user who reconnected elsewhere has no entry of ours, so 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unregister_answers_the_number_of_entries_it_deleted() {
+    let f = Fixture::new(Layout::Hash);
+    let (old, new) = (server("gw-old#1"), server("gw-new#1"));
+    let u = b"moved-user".to_vec();
+    f.registry.register(&f.conn, &u, &old).await.unwrap();
+    f.registry.register(&f.conn, &u, &new).await.unwrap();
+    let script = redis::Script::new(include_str!("../protocol/unregister.lua"));
+    let unregister = |s: &ServerId| {
+        let mut call = script.prepare_invoke();
+        call.key(f.keys.server_fence(s))
+            .key(f.keys.server_refusals(s))
+            .key(f.keys.server_users(s))
+            .key(f.keys.registry())
+            .arg(&u)
+            .arg(s.as_str())
+            .arg("hash");
+        let mut conn = f.conn.clone();
+        async move { call.invoke_async::<i64>(&mut conn).await.unwrap() }
+    };
+    assert_eq!(unregister(&old).await, 0, "nothing of gw-old was deleted");
+    assert_eq!(f.owner(&u).await.as_deref(), Some(new.as_str()));
+    assert_eq!(unregister(&new).await, 1);
+    assert_eq!(f.owner(&u).await, None);
 }

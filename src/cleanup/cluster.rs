@@ -86,6 +86,9 @@ impl Cleaner {
                 }
                 "again" => {
                     flush_errors();
+                    // A failover may have lost the fence as well as deletes: record it
+                    // again (idempotent), before the walk that redoes them.
+                    self.fence(conn, server, entry, stop, true).await?;
                     tracing::info!(server_id = %server, "the cluster failed over (or errors were seen) during the walk: walking the set once more");
                 }
                 _ => {}

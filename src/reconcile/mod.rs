@@ -63,7 +63,7 @@ pub enum Verdict {
     TooRecent { heartbeat_ms: u64 },
     /// Dead, and already reported within the marker's window.
     AlreadyReported,
-    /// Fenced, with nothing left to clean: not reported again.
+    /// Fenced, with nothing left to clean: not reported again (while the fence stands).
     FencedClean,
 }
 

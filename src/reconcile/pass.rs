@@ -94,22 +94,14 @@ impl Reconciler {
         let mut call = REPORT_DEAD_CLUSTER.prepare_invoke();
         call.key(self.keys.server_alive(server))
             .key(self.keys.server_reported(server))
-            .key(self.keys.server_fence(server));
-        for key in self.keys.server_members_left(server) {
-            call.key(key);
-        }
-        call.arg(marker_ttl);
+            .key(self.keys.server_fence(server))
+            .key(self.keys.server_users(server))
+            .key(self.keys.server_walking(server))
+            .arg(marker_ttl);
         match call.invoke_async::<i64>(&mut c).await? {
             0 => Ok(Verdict::Alive),
             3 => Ok(Verdict::AlreadyReported),
-            4 => {
-                let _: i64 = redis::cmd("ZREM")
-                    .arg(self.keys.servers())
-                    .arg(server.as_str())
-                    .query_async(&mut c)
-                    .await?;
-                Ok(Verdict::FencedClean)
-            }
+            4 => Ok(Verdict::FencedClean),
             _ => {
                 let id =
                     crate::stream::publish_event(&self.conn, &self.keys, &event.encode()).await?;

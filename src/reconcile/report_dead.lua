@@ -3,7 +3,9 @@
 -- writer of the original protocol may still heartbeat) with something left to clean; or
 -- its liveness key is gone and its last heartbeat in `servers` is older than the grace
 -- period (or it has none). A fenced server with nothing left to clean is not reported
--- again, and leaves `servers` (a zombie's heartbeat may have put it back). A marker with
+-- again (if a zombie's heartbeat put it back in `servers`, it stays there until its fence
+-- expires, then is reported once more and cleaned: the reconciler never writes
+-- `servers`, and its ACL user may not). A marker with
 -- a TTL makes several reconcilers publish once per window; once it expires, a server that
 -- is still not clean is reported again.
 --
@@ -17,10 +19,7 @@
 -- clean.
 
 if redis.call('EXISTS', KEYS[5]) == 1 then
-  if redis.call('EXISTS', KEYS[6], KEYS[7], KEYS[8]) == 0 then
-    redis.call('ZREM', KEYS[2], ARGV[1])
-    return {4, ''}
-  end
+  if redis.call('EXISTS', KEYS[6], KEYS[7], KEYS[8]) == 0 then return {4, ''} end
 else
   if redis.call('EXISTS', KEYS[1]) == 1 then return {0, ''} end
   local score = redis.call('ZSCORE', KEYS[2], ARGV[1])
