@@ -191,12 +191,13 @@ async fn a_zombie_registering_through_the_cleanup_leaves_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn route_never_returns_a_fenced_owner_during_a_long_cleanup() {
     for layout in [Layout::Hash, Layout::Keys] {
+        // Small steps: a cleanup long enough for many lookups, on a busy machine too.
         let f = Fixture::with(layout, |s| {
-            s.chunk_size = 50;
+            s.chunk_size = 20;
             s.chunks_in_flight = 1;
         });
         let (dead, live) = (server("gw-dead#1"), server("gw-live#1"));
-        const USERS: usize = 20_000;
+        const USERS: usize = 40_000;
         f.seed(&dead, USERS).await; // its liveness key stays: only the fence tells
         f.seed(&live, 100).await;
         // Before the verdict route returns the owner; the fence alone changes that.
