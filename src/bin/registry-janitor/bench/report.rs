@@ -142,13 +142,14 @@ impl Report {
         )?;
         writeln!(
             f,
-            "{:<21} {:>9} {:>8} {:>11} {:>9} {:>10} {:>8} {:>8} {:>8} {:>6}",
+            "{:<21} {:>9} {:>8} {:>11} {:>9} {:>10} {:>10} {:>8} {:>8} {:>8} {:>6}",
             "lookup",
             "lookups",
             "seconds",
             "lookups/s",
             "cpu s",
             "cpu us/l",
+            "exec us/l",
             "p50 us",
             "p99 us",
             "max us",
@@ -158,13 +159,15 @@ impl Report {
         let line = |f: &mut fmt::Formatter<'_>, name: &str, l: &LookupCost| {
             writeln!(
                 f,
-                "{:<21} {:>9} {:>8.2} {:>11.0} {:>9.3} {:>10.2} {:>8} {:>8} {:>8} {:>6}",
+                "{:<21} {:>9} {:>8.2} {:>11.0} {:>9.3} {:>10.2} {:>10} {:>8} {:>8} {:>8} {:>6}",
                 name,
                 l.lookups,
                 l.seconds,
                 l.lookups_per_second,
                 l.redis_cpu_seconds,
                 l.redis_cpu_us_per_lookup,
+                l.redis_exec_us_per_lookup
+                    .map_or("-".into(), |e| format!("{e:.2}")),
                 l.p50_us,
                 l.p99_us,
                 l.max_us,
@@ -175,10 +178,15 @@ impl Report {
         line(f, self.plain_name(), &c.plain)?;
         writeln!(
             f,
-            "(medians of {} interleaved repetitions; max us the worst, wrong the sum) route / {}: Redis CPU per lookup {:.2}x, p50 {:.2}x, p99 {:.2}x",
+            "(medians of {} interleaved repetitions; max us the worst, wrong the sum; exec us/l: the command's own time, INFO commandstats)",
             c.repeats.len() / 2,
+        )?;
+        writeln!(
+            f,
+            "route / {}: Redis CPU per lookup {:.2}x, execution per lookup {}, p50 {:.2}x, p99 {:.2}x",
             self.plain_name(),
             c.cpu_ratio,
+            c.exec_ratio.map_or("-".into(), |e| format!("{e:.2}x")),
             c.p50_ratio,
             c.p99_ratio
         )

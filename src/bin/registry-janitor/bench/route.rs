@@ -12,6 +12,7 @@ use std::{
 
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use registry_janitor::{
+    config::Layout,
     conn::{self, RedisConn},
     error::Result,
     registry::Registry,
@@ -21,7 +22,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    probe::redis_cpu,
+    probe::{command_usec, redis_cpu},
     scene::{scene, Scene},
     Bench,
 };
@@ -69,6 +70,10 @@ pub struct LookupCost {
     /// Redis main-thread CPU over the run (INFO cpu; every master on a cluster).
     pub redis_cpu_seconds: f64,
     pub redis_cpu_us_per_lookup: f64,
+    /// Of that, the execution of the lookup's command alone (EVALSHA, or HGET/GET), per
+    /// lookup (INFO commandstats): without reading requests and writing replies, which
+    /// cost both kinds the same. One node only (on a cluster, route is several commands).
+    pub redis_exec_us_per_lookup: Option<f64>,
     /// Lookups that did not return the owner seeded (must be 0: every owner is alive).
     pub wrong: u64,
 }
@@ -86,8 +91,10 @@ pub struct RouteCost {
     /// The median run of each kind, field by field (`max_us`: the worst; `wrong`: the sum).
     pub route: LookupCost,
     pub plain: LookupCost,
-    /// route over plain: Redis CPU per lookup, p50 and p99 latency.
+    /// route over plain: Redis CPU per lookup, execution per lookup (one node), p50 and
+    /// p99 latency.
     pub cpu_ratio: f64,
+    pub exec_ratio: Option<f64>,
     pub p50_ratio: f64,
     pub p99_ratio: f64,
     /// Every run, plain then route, `repeat` times, in the order run.
@@ -137,6 +144,10 @@ pub(super) async fn route_cost(b: &Bench<'_>, lookups: usize) -> Result<RouteCos
                 true => "2 round trips".into(),
             },
             cpu_ratio: ratio(route.redis_cpu_us_per_lookup, plain.redis_cpu_us_per_lookup),
+            exec_ratio: route
+                .redis_exec_us_per_lookup
+                .zip(plain.redis_exec_us_per_lookup)
+                .map(|(r, p)| ratio(r, p)),
             p50_ratio: ratio(route.p50_us as f64, plain.p50_us as f64),
             p99_ratio: ratio(route.p99_us as f64, plain.p99_us as f64),
             route,
@@ -170,6 +181,16 @@ async fn lookup_run(
         }
         lanes.push(c);
     }
+    let command = match (lookup, b.settings.layout) {
+        (Lookup::Route, _) => "evalsha",
+        (Lookup::Plain, Layout::Hash) => "hget",
+        (Lookup::Plain, Layout::Keys) => "get",
+    };
+    let single = !b.conn.is_cluster();
+    let exec_before = match single {
+        true => Some(command_usec(b.conn, command).await?),
+        false => None,
+    };
     let cpu_before = redis_cpu(b.settings, b.conn).await?;
     let started = Instant::now();
     let tasks: Vec<JoinHandle<Result<Lane>>> = lanes
@@ -198,6 +219,15 @@ async fn lookup_run(
     }
     let seconds = started.elapsed().as_secs_f64();
     let cpu = redis_cpu(b.settings, b.conn).await? - cpu_before;
+    let redis_exec_us_per_lookup = match exec_before {
+        Some((calls_before, usec_before)) => {
+            let (calls, usec) = command_usec(b.conn, command).await?;
+            // Every lookup is one call of `command` (route.lua was loaded in the warm-up).
+            let calls = calls.saturating_sub(calls_before).max(1);
+            Some(usec.saturating_sub(usec_before) as f64 / calls as f64)
+        }
+        None => None,
+    };
     latencies.sort_unstable();
     let pct = |p: f64| {
         latencies
@@ -215,6 +245,7 @@ async fn lookup_run(
         max_us: latencies.last().copied().unwrap_or(0),
         redis_cpu_seconds: cpu,
         redis_cpu_us_per_lookup: cpu * 1e6 / latencies.len().max(1) as f64,
+        redis_exec_us_per_lookup,
         wrong,
     })
 }
@@ -243,6 +274,10 @@ fn median(runs: &[LookupCost], lookup: Lookup) -> LookupCost {
         max_us: of.iter().map(|r| r.max_us).max().unwrap_or(0),
         redis_cpu_seconds: mid_f(|r| r.redis_cpu_seconds),
         redis_cpu_us_per_lookup: mid_f(|r| r.redis_cpu_us_per_lookup),
+        redis_exec_us_per_lookup: of
+            .iter()
+            .all(|r| r.redis_exec_us_per_lookup.is_some())
+            .then(|| mid_f(|r| r.redis_exec_us_per_lookup.unwrap_or(0.0))),
         wrong: of.iter().map(|r| r.wrong).sum(),
     }
 }
