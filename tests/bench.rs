@@ -18,6 +18,8 @@ fn bench(layout: Layout) {
             "500",
             "--baseline-users",
             "5000",
+            "--route-lookups",
+            "2000",
         ])
         .args(["--repeat", "1", "--json"])
         .output()
@@ -47,6 +49,7 @@ fn bench(layout: Layout) {
     assert!(run("janitor")["worker_peak_rss_bytes"].as_u64().unwrap() > 1_000_000);
     // The ceiling is wrong on purpose: it deletes the entries of users who moved (1%).
     assert_eq!(run("unconditional")["live_lost"], 200);
+    fencing_figures(&report, 2000);
     assert_eq!(
         report["layout"],
         if layout == Layout::Hash {
@@ -61,6 +64,32 @@ fn bench(layout: Layout) {
         redis::cmd("KEYS").arg("*").query(&mut c).unwrap()
     };
     assert!(keys.is_empty(), "the bench leaves no keys behind: {keys:?}");
+}
+
+/// The route cost and the stale window: every route-cost lookup got its live owner, and
+/// no route started after the fence got the dead server (the dead server looked alive:
+/// route got it before the verdict).
+fn fencing_figures(report: &serde_json::Value, lookups: u64) {
+    let cost = &report["route_cost"];
+    for kind in ["route", "plain"] {
+        assert_eq!(cost[kind]["lookups"].as_u64(), Some(lookups), "{cost}");
+        assert_eq!(cost[kind]["wrong"], 0, "{kind}: {cost}");
+    }
+    let window = &report["stale_window"];
+    assert_eq!(window["runs"], 1, "{window}");
+    let route = &window["route"];
+    assert_eq!(
+        route["dead_after_verdict"], 0,
+        "route after the fence: {window}"
+    );
+    // Each probe's first lookup is done before the event is published: the dead server
+    // looked alive, to route too.
+    for probe in [route, &window["plain"]] {
+        assert!(
+            probe["dead_before_verdict"].as_u64().unwrap() > 0,
+            "the dead server looked alive before the verdict: {window}"
+        );
+    }
 }
 
 #[test]
@@ -93,7 +122,8 @@ fn bench_verifies_every_run_on_a_local_cluster() {
             "--naive-sample",
             "300",
         ])
-        .args(["--baseline-users", "1000", "--repeat", "1", "--json"])
+        .args(["--baseline-users", "1000", "--route-lookups", "500"])
+        .args(["--repeat", "1", "--json"])
         .output()
         .unwrap();
     assert!(
@@ -112,5 +142,6 @@ fn bench_verifies_every_run_on_a_local_cluster() {
         );
     }
     assert!(runs.iter().all(|r| r["name"] != "careful"));
+    fencing_figures(&report, 500);
     assert!(report["ratios"]["redis_cpu_vs_careful"].is_null());
 }

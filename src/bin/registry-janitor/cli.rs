@@ -181,6 +181,14 @@ pub struct BenchOptions {
     /// gives the median run of each, so one noisy run cannot decide a ratio.
     #[arg(long, default_value_t = 3)]
     pub repeat: usize,
+    /// Lookups of each kind in the route-cost runs (`route` against a plain HGET/GET,
+    /// interleaved `repeat` times); 0 skips them.
+    #[arg(long, default_value_t = 100_000)]
+    pub route_lookups: usize,
+    /// No stale-window probes during the janitor runs (the dead server is then not made
+    /// to look alive, as before fencing was measured).
+    #[arg(long)]
+    pub no_stale_window: bool,
     /// Run on a private local Redis Cluster of 3 masters (all on this machine) instead.
     #[arg(long)]
     pub local_cluster: bool,

@@ -173,6 +173,28 @@ pub async fn bench(settings: &Settings, options: &BenchOptions) -> anyhow::Resul
     if janitor.is_some_and(|j| j.stale_left > 0 || j.live_lost > 0) {
         anyhow::bail!("the janitor run left stale entries or lost live ones");
     }
+    if let Some(w) = report
+        .stale_window
+        .as_ref()
+        .filter(|w| w.route.dead_after_verdict > 0)
+    {
+        anyhow::bail!(
+            "route returned the dead server after its fence was recorded ({} of {} lookups)",
+            w.route.dead_after_verdict,
+            w.route.lookups_after_verdict
+        );
+    }
+    if let Some(c) = report
+        .route_cost
+        .as_ref()
+        .filter(|c| c.route.wrong + c.plain.wrong > 0)
+    {
+        anyhow::bail!(
+            "a route-cost lookup did not return the live owner (route {}, plain {})",
+            c.route.wrong,
+            c.plain.wrong
+        );
+    }
     Ok(())
 }
 

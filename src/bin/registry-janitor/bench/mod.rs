@@ -17,12 +17,23 @@
 //! During each run a separate connection issues a routing lookup (HGET/GET of a live
 //! user) every millisecond; Redis main-thread CPU comes from INFO cpu before and after.
 //!
+//! Fencing (issue 13) adds two measurements ([`route`]):
+//! - route cost: `route_lookups` lookups of random users of a seeded registry whose
+//!   owners are all alive, by `route` (route.lua) and by a plain HGET/GET, a few in
+//!   flight: latency and Redis CPU per lookup of each;
+//! - stale window: during each `janitor` run (not the baseline) the dead server looks
+//!   alive (its liveness key set for an hour), and two probes look up its users who did
+//!   not move, one per millisecond each, by `route` and by HGET/GET: how many lookups
+//!   started after the fence was recorded still got the dead server.
+//!
 //! Here: the options' use, the runs' order and the ratios; [`runs`] the runs, [`scene`] the
 //! registry each run seeds and verifies, [`probe`] the measurements beside the work
-//! (lookup latencies, Redis CPU, peak RSS), [`report`] the table.
+//! (lookup latencies, Redis CPU, peak RSS), [`route`] the routing measurements,
+//! [`report`] the table.
 
 mod probe;
 mod report;
+mod route;
 mod runs;
 mod scene;
 
@@ -37,6 +48,7 @@ use registry_janitor::{
 use serde::Serialize;
 
 use crate::{cli::BenchOptions as Options, demo::local_redis};
+use route::{RouteCost, StaleWindow};
 use runs::Reference;
 
 /// The figures of one run.
@@ -58,6 +70,9 @@ pub struct Run {
     pub stale_left: u64,
     /// Entries of moved or live users that are gone or wrong afterwards (must be 0).
     pub live_lost: u64,
+    /// The stale-window probes of this run (`janitor` runs only; see [`route`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stale_window: Option<StaleWindow>,
 }
 
 /// Ratios the targets are stated in.
@@ -85,6 +100,11 @@ pub struct Report {
     /// Every repetition of janitor, careful and unconditional, in the order run.
     pub repeats: Vec<Run>,
     pub ratios: Ratios,
+    /// `route` against a plain HGET/GET (none with `--route-lookups 0`).
+    pub route_cost: Option<RouteCost>,
+    /// The stale-window probes of every `janitor` repetition, summed (none with
+    /// `--no-stale-window`); each repetition's own are in `repeats`.
+    pub stale_window: Option<StaleWindow>,
 }
 
 /// Runs the benchmark; `worker_exe` is the `registry-janitor` binary to start workers from.
@@ -106,15 +126,17 @@ pub async fn run(settings: &Settings, options: &Options, worker_exe: &Path) -> R
     };
     let result = all_runs(&bench).await;
     conn::delete_prefixed(&settings, &conn, &root).await?;
-    let (runs, repeats) = result?;
+    let (runs, repeats, route_cost) = result?;
     Ok(Report {
         redis_version,
         layout: layout_name(settings.layout).into(),
         chunk_size: settings.chunk_size,
         chunks_in_flight: settings.chunks_in_flight,
         ratios: ratios(&runs),
+        stale_window: StaleWindow::total(repeats.iter().filter_map(|r| r.stale_window.as_ref())),
         runs,
         repeats,
+        route_cost,
     })
 }
 
@@ -129,13 +151,14 @@ struct Bench<'a> {
 }
 
 /// Every run, in order: janitor, careful (single node) and unconditional interleaved
-/// `repeat` times, then the janitor baseline and the naive sample. Returns the runs of
-/// the report (medians first) and every repetition.
-async fn all_runs(b: &Bench<'_>) -> Result<(Vec<Run>, Vec<Run>)> {
+/// `repeat` times, then the janitor baseline, the naive sample and the route cost.
+/// Returns the runs of the report (medians first), every repetition and the route cost.
+async fn all_runs(b: &Bench<'_>) -> Result<(Vec<Run>, Vec<Run>, Option<RouteCost>)> {
     let (mut runs, mut repeats) = (Vec::new(), Vec::new());
     let users = b.options.users;
+    let stale = !b.options.no_stale_window;
     for _ in 0..b.options.repeat.max(1) {
-        repeats.push(runs::janitor_run(b, "janitor", users).await?);
+        repeats.push(runs::janitor_run(b, "janitor", users, stale).await?);
         if !b.settings.redis_cluster {
             repeats.push(runs::reference_run(b, Reference::Careful, users).await?);
         }
@@ -148,11 +171,15 @@ async fn all_runs(b: &Bench<'_>) -> Result<(Vec<Run>, Vec<Run>)> {
     }
     if b.options.baseline_users > 0 {
         let users = b.options.baseline_users;
-        runs.push(runs::janitor_run(b, "janitor_baseline", users).await?);
+        runs.push(runs::janitor_run(b, "janitor_baseline", users, false).await?);
     }
     let naive = b.options.naive_sample;
     runs.push(runs::reference_run(b, Reference::Naive, naive).await?);
-    Ok((runs, repeats))
+    let route_cost = match b.options.route_lookups {
+        0 => None,
+        n => Some(route::route_cost(b, n).await?),
+    };
+    Ok((runs, repeats, route_cost))
 }
 
 /// The ratios the targets are stated in, from the report's runs.
@@ -212,6 +239,8 @@ fn median(runs: &[Run], name: &str) -> Run {
         worker_peak_rss_bytes: of.iter().filter_map(|r| r.worker_peak_rss_bytes).max(),
         stale_left: of.iter().map(|r| r.stale_left).max().unwrap_or(0),
         live_lost: of.iter().map(|r| r.live_lost).max().unwrap_or(0),
+        // Summed over the repetitions in the report's `stale_window`.
+        stale_window: None,
     }
 }
 

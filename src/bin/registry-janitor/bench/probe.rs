@@ -59,6 +59,27 @@ async fn node_cpu(node: &RedisConn) -> Result<f64> {
     )
 }
 
+/// Calls of `command` (lower case, e.g. `hget`, `evalsha`) and the microseconds Redis
+/// spent executing them, so far (INFO commandstats; one node). Execution only: reading
+/// the request and writing the reply are not in it.
+pub(super) async fn command_usec(conn: &RedisConn, command: &str) -> Result<(u64, u64)> {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut conn.clone())
+        .await?;
+    let Some(stats) = info_field(&info, &format!("cmdstat_{command}")) else {
+        return Ok((0, 0));
+    };
+    let field = |name: &str| {
+        stats
+            .split(',')
+            .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    Ok((field("calls"), field("usec")))
+}
+
 fn info_field(info: &str, name: &str) -> Option<String> {
     info.lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))

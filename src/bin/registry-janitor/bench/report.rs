@@ -2,7 +2,10 @@
 
 use std::fmt;
 
-use super::{Report, Run};
+use super::{
+    route::{LookupCost, StaleCount},
+    Report, Run,
+};
 
 impl Report {
     fn run(&self, name: &str) -> Option<&Run> {
@@ -99,13 +102,132 @@ impl Report {
             f,
             "  speed-up vs naive per-user loop      {:>6.1}x  (target >= 15)",
             r.speedup_vs_naive
+        )?;
+        if let Some(w) = &self.stale_window {
+            writeln!(
+                f,
+                "  route: dead owner after the verdict  {:>6} of {} lookups (target 0)",
+                w.route.dead_after_verdict, w.route.lookups_after_verdict
+            )?;
+        }
+        if let Some(c) = &self.route_cost {
+            writeln!(
+                f,
+                "  route: Redis CPU per lookup vs {:<4}  {:>6.2}x  (measured; no target)",
+                self.plain_name(),
+                c.cpu_ratio
+            )?;
+        }
+        Ok(())
+    }
+
+    /// What the plain lookup is on this layout.
+    fn plain_name(&self) -> &'static str {
+        if self.layout == "keys" {
+            "GET"
+        } else {
+            "HGET"
+        }
+    }
+
+    /// `route` against the plain lookup, on the same registry and users.
+    fn route_cost(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Some(c) = &self.route_cost else {
+            return Ok(());
+        };
+        writeln!(
+            f,
+            "route cost: {} lookups of random users of {} (every owner alive), {} in flight, each on its own connection:",
+            c.route.lookups, c.registry_users, c.in_flight
+        )?;
+        writeln!(
+            f,
+            "{:<21} {:>9} {:>8} {:>11} {:>9} {:>10} {:>10} {:>8} {:>8} {:>8} {:>6}",
+            "lookup",
+            "lookups",
+            "seconds",
+            "lookups/s",
+            "cpu s",
+            "cpu us/l",
+            "exec us/l",
+            "p50 us",
+            "p99 us",
+            "max us",
+            "wrong"
+        )?;
+        let route = format!("route ({})", c.route_path);
+        let line = |f: &mut fmt::Formatter<'_>, name: &str, l: &LookupCost| {
+            writeln!(
+                f,
+                "{:<21} {:>9} {:>8.2} {:>11.0} {:>9.3} {:>10.2} {:>10} {:>8} {:>8} {:>8} {:>6}",
+                name,
+                l.lookups,
+                l.seconds,
+                l.lookups_per_second,
+                l.redis_cpu_seconds,
+                l.redis_cpu_us_per_lookup,
+                l.redis_exec_us_per_lookup
+                    .map_or("-".into(), |e| format!("{e:.2}")),
+                l.p50_us,
+                l.p99_us,
+                l.max_us,
+                l.wrong
+            )
+        };
+        line(f, &route, &c.route)?;
+        line(f, self.plain_name(), &c.plain)?;
+        writeln!(
+            f,
+            "(medians of {} interleaved repetitions; max us the worst, wrong the sum; exec us/l: the command's own time, INFO commandstats)",
+            c.repeats.len() / 2,
+        )?;
+        writeln!(
+            f,
+            "route / {}: Redis CPU per lookup {:.2}x, execution per lookup {}, p50 {:.2}x, p99 {:.2}x",
+            self.plain_name(),
+            c.cpu_ratio,
+            c.exec_ratio.map_or("-".into(), |e| format!("{e:.2}x")),
+            c.p50_ratio,
+            c.p99_ratio
         )
+    }
+
+    /// What the probes of the janitor runs saw of the dead server's unmoved users.
+    fn stale_window(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Some(w) = &self.stale_window else {
+            return Ok(());
+        };
+        writeln!(
+            f,
+            "stale window (janitor runs: {}; the dead server looks alive; each probe looks up 1 of its unmoved users per ms; {:.2} s after the verdict in all):",
+            w.runs, w.after_verdict_seconds
+        )?;
+        writeln!(
+            f,
+            "{:<17} {:>15} {:>12} {:>15} {:>12}",
+            "probe", "before verdict", "dead owner", "after verdict", "dead owner"
+        )?;
+        let line = |f: &mut fmt::Formatter<'_>, name: &str, c: &StaleCount| {
+            writeln!(
+                f,
+                "{:<17} {:>15} {:>12} {:>15} {:>12}",
+                name,
+                c.lookups_before_verdict,
+                c.dead_before_verdict,
+                c.lookups_after_verdict,
+                c.dead_after_verdict
+            )
+        };
+        line(f, "route", &w.route)?;
+        line(f, self.plain_name(), &w.plain)
     }
 }
 
 impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         self.table(f)?;
+        self.route_cost(f)?;
+        self.stale_window(f)?;
         self.targets(f)
     }
 }

@@ -22,6 +22,7 @@ use tokio_util::sync::CancellationToken;
 use super::{
     layout_name,
     probe::{peak_rss, probe_lookups, redis_cpu},
+    route::StaleProbes,
     scene::{scene, Scene},
     Bench, Run,
 };
@@ -78,12 +79,20 @@ where
         worker_peak_rss_bytes: peak_rss,
         stale_left,
         live_lost,
+        stale_window: None,
     })
 }
 
 /// The real worker path: a `registry-janitor worker` child process, one `server.dead`
-/// event in, its acknowledgement out.
-pub(super) async fn janitor_run(b: &Bench<'_>, name: &str, users: usize) -> Result<Run> {
+/// event in, its acknowledgement out. With `stale`, the dead server looks alive and the
+/// stale-window probes run from before the event to its acknowledgement (see
+/// [`StaleProbes`]).
+pub(super) async fn janitor_run(
+    b: &Bench<'_>,
+    name: &str,
+    users: usize,
+    stale: bool,
+) -> Result<Run> {
     let Bench { settings, conn, .. } = *b;
     let scene = scene(settings, b.root, name, users, b.options);
     scene.seed(conn).await?;
@@ -108,6 +117,10 @@ pub(super) async fn janitor_run(b: &Bench<'_>, name: &str, users: usize) -> Resu
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    let probes = match stale {
+        true => Some(StaleProbes::start(b, &scene).await?),
+        false => None,
+    };
     let run = measure(settings, conn, &scene, name, || async {
         let event = ServerDead::new(&scene.dead, Some("bench".into()), Some("bench".into()));
         stream::publish_event(conn, &scene.keys, &event.encode()).await?;
@@ -127,9 +140,22 @@ pub(super) async fn janitor_run(b: &Bench<'_>, name: &str, users: usize) -> Resu
         while !status::collect_from(conn, &scene.keys).await?.is_idle() {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
+        if let Some(probes) = &probes {
+            probes.stop();
+        }
         Ok(peak_rss(pid))
     })
     .await;
+    let run = match probes {
+        Some(probes) => {
+            let window = probes.finish().await;
+            run.and_then(|mut run| {
+                run.stale_window = Some(window?);
+                Ok(run)
+            })
+        }
+        None => run,
+    };
     let _ = child.start_kill();
     let _ = child.wait().await;
     conn::delete_prefixed(settings, conn, scene.keys.prefix()).await?;

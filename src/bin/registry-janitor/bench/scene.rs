@@ -9,6 +9,7 @@ use registry_janitor::{
 use super::Options;
 
 /// The registry of one run: a dead server, a live one, who moved.
+#[derive(Clone)]
 pub(super) struct Scene {
     pub(super) keys: Keys,
     pub(super) registry: Registry,
@@ -31,6 +32,14 @@ impl Scene {
 
     pub(super) fn moved(&self, n: usize) -> bool {
         self.moved_every > 0 && n % self.moved_every == 0
+    }
+
+    /// `n` if that user of the dead server did not move, else a neighbour who did not
+    /// (moved users are never next to each other unless all of them moved).
+    pub(super) fn unmoved_near(&self, n: usize) -> Option<usize> {
+        [n, n + 1, n.wrapping_sub(1)]
+            .into_iter()
+            .find(|&m| m < self.users && !self.moved(m))
     }
 
     pub(super) async fn seed(&self, conn: &RedisConn) -> Result<()> {
