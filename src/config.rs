@@ -415,6 +415,7 @@ mod tests {
         assert_eq!(s.metrics_addr, "0.0.0.0:9464");
         assert_eq!(s.heartbeat_grace_ms, 30000);
         assert_eq!(s.reconcile_interval_ms, 30000);
+        assert_eq!(s.fence_ttl_ms, 7 * 24 * 3600 * 1000);
         assert!(s.consumer_name.is_none());
     }
 
@@ -438,6 +439,10 @@ mod tests {
         check(|s| s.redis_url = "not a url".into(), "redis_url");
         check(|s| s.metrics_addr = "nowhere".into(), "metrics_addr");
         check(|s| s.max_deliveries = 0, "max_deliveries");
+        check(|s| s.fence_ttl_ms = 1000, "fence_ttl_ms");
+        check(|s| s.fence_ttl_ms = s.heartbeat_grace_ms, "fence_ttl_ms");
+        // Past what PEXPIRE takes, the fence would be left with no lifetime.
+        check(|s| s.fence_ttl_ms = i64::MAX as u64, "fence_ttl_ms");
     }
 
     #[test]
