@@ -287,7 +287,7 @@ async fn each_role_runs_the_flow_with_only_its_acl_rules() {
     let (status, log) = worker.wait(Duration::from_secs(10));
     assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
     assert!(
-        !log.to_lowercase().contains("no permissions"),
+        !log.contains("NoPerm") && !log.to_lowercase().contains("no permissions"),
         "the worker needed a permission it lacks:\n{log}"
     );
     connection_server_runs_the_protocol(&f, &connect(&as_role("connection-server")), &announced)
@@ -300,8 +300,10 @@ async fn each_role_runs_the_flow_with_only_its_acl_rules() {
         .unwrap();
     let (_, stderr) = text(&out);
     assert!(!out.status.success());
+    // Checked by the refusal's code (redis-rs names NOPERM `NoPerm`) and the command it
+    // names, not by the server's wording, which differs between Redis and Valkey versions.
     assert!(
-        stderr.contains("no permissions to run the 'xlen' command"),
+        stderr.contains("NoPerm") && stderr.to_lowercase().contains("xlen"),
         "{stderr}"
     );
     let out = janitor(&as_role("janitor-worker"))
@@ -309,8 +311,10 @@ async fn each_role_runs_the_flow_with_only_its_acl_rules() {
         .output()
         .unwrap();
     let (_, stderr) = text(&out);
+    // Newer servers word a key refusal `No permissions to access a key`: the code, not
+    // the words.
     assert!(
-        !out.status.success() && stderr.contains("no permissions"),
+        !out.status.success() && stderr.contains("NoPerm"),
         "{stderr}"
     );
 }

@@ -3,9 +3,13 @@
 -- consumer in between cannot be lost with it. A consumer with pending entries is never
 -- removed: its entries wait for takeover.
 --
--- On Redis 7.0 a live worker blocked on an empty stream also looks idle; removing it is
--- harmless (nothing pending) and the worker registers itself again on its next claim
--- round.
+-- `idle` is the right signal on every server, with one difference. On Redis 7.2+ (and
+-- Valkey), `idle` counts from the consumer's last attempted read or claim, which a live
+-- worker blocked on an empty stream refreshes every `block_ms`, so only a gone worker
+-- grows idle (`inactive`, new in 7.2, counts from the last successful one: the wrong
+-- signal here). On Redis 7.0, `idle` counts from the last successful interaction, so a
+-- live worker blocked on an empty stream also looks idle; removing it is harmless
+-- (nothing pending) and the worker registers itself again on its next claim round.
 --
 -- KEYS[1] events stream; ARGV[1] group; ARGV[2] idle threshold (ms).
 -- Returns the names removed.

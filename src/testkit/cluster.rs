@@ -18,7 +18,7 @@ pub struct RedisCluster {
 impl RedisCluster {
     /// True when `redis-server` can run in cluster mode and `redis-cli` can create one.
     pub fn supported() -> bool {
-        let cli = Command::new("redis-cli")
+        let cli = Command::new(super::server::cli_binary())
             .arg("--version")
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -53,7 +53,7 @@ impl RedisCluster {
             .iter()
             .map(|n| format!("127.0.0.1:{}", n.port()))
             .collect();
-        let out = Command::new("redis-cli")
+        let out = Command::new(super::server::cli_binary())
             .arg("--cluster")
             .arg("create")
             .args(&addrs)

@@ -9,4 +9,4 @@ mod cluster;
 mod server;
 
 pub use cluster::RedisCluster;
-pub use server::RedisServer;
+pub use server::{cli_binary, server_binary, RedisServer};

@@ -12,6 +12,19 @@ use std::{
 
 use crate::error::{Error, Result};
 
+/// The `redis-server` binary the harness runs: `JANITOR_TEST_REDIS_SERVER` if set (any
+/// Redis or Valkey build, for running the suite against another server), else
+/// `redis-server` from PATH.
+pub fn server_binary() -> String {
+    std::env::var("JANITOR_TEST_REDIS_SERVER").unwrap_or_else(|_| "redis-server".into())
+}
+
+/// The `redis-cli` binary (for creating local clusters): `JANITOR_TEST_REDIS_CLI` if set,
+/// else `redis-cli` from PATH.
+pub fn cli_binary() -> String {
+    std::env::var("JANITOR_TEST_REDIS_CLI").unwrap_or_else(|_| "redis-cli".into())
+}
+
 /// A running `redis-server` child process.
 pub struct RedisServer {
     pub(super) child: Option<Child>,
@@ -23,9 +36,9 @@ pub struct RedisServer {
 }
 
 impl RedisServer {
-    /// True when `redis-server` can be run from PATH.
+    /// True when the `redis-server` binary ([`server_binary`]) can be run.
     pub fn available() -> bool {
-        Command::new("redis-server")
+        Command::new(server_binary())
             .arg("--version")
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -114,7 +127,7 @@ impl RedisServer {
     }
 
     fn spawn(&mut self) -> Result<()> {
-        let child = Command::new("redis-server")
+        let child = Command::new(server_binary())
             .args(["--port", &self.port.to_string()])
             .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .arg("--dir")
