@@ -126,6 +126,14 @@ pub(super) async fn probe_lookups(
     Ok(latencies)
 }
 
+/// The `p` quantile (0..=1) of `sorted` latencies; 0 if there are none.
+pub(super) fn percentile(sorted: &[u64], p: f64) -> u64 {
+    sorted
+        .get(((sorted.len() as f64 * p) as usize).min(sorted.len().saturating_sub(1)))
+        .copied()
+        .unwrap_or(0)
+}
+
 /// VmHWM of a process, in bytes (Linux).
 pub(super) fn peak_rss(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;

@@ -229,12 +229,7 @@ async fn lookup_run(
         None => None,
     };
     latencies.sort_unstable();
-    let pct = |p: f64| {
-        latencies
-            .get(((latencies.len() as f64 * p) as usize).min(latencies.len().saturating_sub(1)))
-            .copied()
-            .unwrap_or(0)
-    };
+    let pct = |p: f64| super::probe::percentile(&latencies, p);
     Ok(LookupCost {
         lookup,
         lookups: latencies.len(),

@@ -58,12 +58,7 @@ where
     stop.cancel();
     let mut latencies = prober.await??;
     latencies.sort_unstable();
-    let pct = |p: f64| {
-        latencies
-            .get(((latencies.len() as f64 * p) as usize).min(latencies.len().saturating_sub(1)))
-            .copied()
-            .unwrap_or(0)
-    };
+    let pct = |p: f64| super::probe::percentile(&latencies, p);
     let (stale_left, live_lost) = scene.verify(conn).await?;
     Ok(Run {
         name: name.into(),
