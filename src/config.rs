@@ -32,6 +32,16 @@ pub enum Layout {
     Keys,
 }
 
+impl Layout {
+    /// The setting's value, which the Lua scripts also take as their layout argument.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Layout::Hash => "hash",
+            Layout::Keys => "keys",
+        }
+    }
+}
+
 /// Log output format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

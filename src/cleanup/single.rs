@@ -9,7 +9,6 @@ use tokio_util::sync::CancellationToken;
 
 use super::{Cleaner, Report, Step, WalkMode};
 use crate::{
-    config::Layout,
     conn::RedisConn,
     error::{Error, Result},
     event::ServerId,
@@ -92,10 +91,7 @@ impl Cleaner {
         mode: WalkMode,
         entry: Option<&str>,
     ) -> Result<Step> {
-        let layout = match self.layout {
-            Layout::Hash => "hash",
-            Layout::Keys => "keys",
-        };
+        let layout = self.layout.as_str();
         let mut call = CLEAN_STEP.prepare_invoke();
         call.key(self.keys.server_users(server))
             .key(self.keys.server_walking(server))

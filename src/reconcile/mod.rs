@@ -27,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::{
-    config::{Layout, Settings},
+    config::Settings,
     conn,
     error::{Error, Result},
     event::ServerId,
@@ -191,13 +191,6 @@ impl Reconciler {
 
     fn cutoff_ms(&self) -> u64 {
         crate::now_ms().saturating_sub(self.settings.heartbeat_grace_ms)
-    }
-
-    fn layout(&self) -> &'static str {
-        match self.settings.layout {
-            Layout::Hash => "hash",
-            Layout::Keys => "keys",
-        }
     }
 
     /// `reconcile --once`: one pass and one complete sweep, each step retried through

@@ -30,7 +30,7 @@ impl Reconciler {
         call.key(self.keys.registry())
             .key(self.keys.sweep())
             .key(self.keys.servers())
-            .arg(self.layout())
+            .arg(self.settings.layout.as_str())
             .arg(self.settings.sweep_count)
             .arg(self.keys.prefix())
             .arg(self.cutoff_ms())
@@ -56,7 +56,7 @@ impl Reconciler {
             .arg(server.as_str())
             .arg(cursor)
             .arg(self.settings.sweep_count)
-            .arg(self.layout())
+            .arg(self.settings.layout.as_str())
             .arg(self.keys.user_key_prefix())
             .arg(self.settings.heartbeat_grace_ms);
         Ok(call.invoke_async(&mut self.conn.clone()).await?)

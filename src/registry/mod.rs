@@ -88,13 +88,6 @@ impl Registry {
         &self.keys
     }
 
-    fn layout_name(&self) -> &'static str {
-        match self.layout {
-            Layout::Hash => "hash",
-            Layout::Keys => "keys",
-        }
-    }
-
     /// The key that holds `user`'s forward entry: `registry` or `user:<user>`.
     fn forward_key(&self, user: &[u8]) -> Vec<u8> {
         match self.layout {
@@ -140,7 +133,9 @@ impl Registry {
             // the entry of a user registered on a live server, and the release after the
             // refusal would then delete it. register.lua alone refuses (and notes it).
             if crate::fence::is_fenced(conn, &self.keys, server).await? {
-                call.arg(user).arg(server.as_str()).arg(self.layout_name());
+                call.arg(user)
+                    .arg(server.as_str())
+                    .arg(self.layout.as_str());
                 return unless_fenced(call.invoke_async::<i64>(&mut conn.clone()).await, server)
                     .map(drop);
             }
@@ -151,7 +146,9 @@ impl Registry {
         } else {
             call.key(self.forward_key(user));
         }
-        call.arg(user).arg(server.as_str()).arg(self.layout_name());
+        call.arg(user)
+            .arg(server.as_str())
+            .arg(self.layout.as_str());
         let refused = match unless_fenced(call.invoke_async::<i64>(&mut conn.clone()).await, server)
         {
             Err(refused @ Error::Fenced { .. }) => refused,
@@ -258,7 +255,9 @@ impl Registry {
         } else {
             call.key(self.forward_key(user));
         }
-        call.arg(user).arg(server.as_str()).arg(self.layout_name());
+        call.arg(user)
+            .arg(server.as_str())
+            .arg(self.layout.as_str());
         unless_fenced(call.invoke_async::<i64>(&mut conn.clone()).await, server).map(drop)
     }
 
@@ -269,7 +268,7 @@ impl Registry {
         call.key(self.forward_key(user))
             .arg(user)
             .arg(server.as_str())
-            .arg(self.layout_name());
+            .arg(self.layout.as_str());
         let deleted: i64 = call.invoke_async(&mut conn.clone()).await?;
         Ok(deleted == 1)
     }
@@ -308,7 +307,7 @@ impl Registry {
             let mut call = ROUTE.prepare_invoke();
             call.key(self.forward_key(user))
                 .arg(user)
-                .arg(self.layout_name())
+                .arg(self.layout.as_str())
                 .arg(self.keys.prefix());
             return Ok(call.invoke_async(&mut conn.clone()).await?);
         }

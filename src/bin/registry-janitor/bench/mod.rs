@@ -40,7 +40,7 @@ mod scene;
 use std::path::{Path, PathBuf};
 
 use registry_janitor::{
-    config::{Layout, Settings},
+    config::Settings,
     conn::{self, RedisConn},
     error::{Error, Result},
     testkit::{RedisCluster, RedisServer},
@@ -129,7 +129,7 @@ pub async fn run(settings: &Settings, options: &Options, worker_exe: &Path) -> R
     let (runs, repeats, route_cost) = result?;
     Ok(Report {
         redis_version,
-        layout: layout_name(settings.layout).into(),
+        layout: settings.layout.as_str().into(),
         chunk_size: settings.chunk_size,
         chunks_in_flight: settings.chunks_in_flight,
         ratios: ratios(&runs),
@@ -271,13 +271,6 @@ async fn bench_redis(settings: &Settings, options: &Options) -> Result<(Settings
     }
     let (settings, private) = local_redis(settings).await?;
     Ok((settings, Private::Node(private)))
-}
-
-pub(crate) fn layout_name(layout: Layout) -> &'static str {
-    match layout {
-        Layout::Hash => "hash",
-        Layout::Keys => "keys",
-    }
 }
 
 /// The running binary, to start bench workers from.

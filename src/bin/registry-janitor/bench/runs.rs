@@ -20,7 +20,6 @@ use tokio::process::Child;
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    layout_name,
     probe::{peak_rss, probe_lookups, redis_cpu},
     route::StaleProbes,
     scene::{scene, Scene},
@@ -163,7 +162,7 @@ fn spawn_worker(settings: &Settings, scene: &Scene, worker_exe: &Path) -> Result
         .arg("worker")
         .env("JANITOR_REDIS_URL", &settings.redis_url)
         .env("JANITOR_KEY_PREFIX", scene.keys.prefix())
-        .env("JANITOR_LAYOUT", layout_name(settings.layout))
+        .env("JANITOR_LAYOUT", settings.layout.as_str())
         .env("JANITOR_REDIS_CLUSTER", settings.redis_cluster.to_string())
         .env(
             "JANITOR_REDIS_CLUSTER_SEEDS",
@@ -274,7 +273,7 @@ async fn careful(conn: &RedisConn, scene: &Scene, layout: Layout) -> Result<()> 
             call.key(scene.keys.registry())
                 .key(&set)
                 .arg(scene.dead.as_str())
-                .arg(layout_name(layout))
+                .arg(layout.as_str())
                 .arg(scene.keys.user_key_prefix());
             for m in &members {
                 call.arg(m);
