@@ -127,15 +127,15 @@ impl Registry {
         let mut call = REGISTER.prepare_invoke();
         call.key(self.keys.server_fence(server))
             .key(self.keys.server_refusals(server))
-            .key(self.keys.server_users(server));
+            .key(self.keys.server_users(server))
+            .arg(user)
+            .arg(server.as_str())
+            .arg(self.layout.as_str());
         if conn.is_cluster() {
             // A server already fenced writes no forward entry: that write would replace
             // the entry of a user registered on a live server, and the release after the
             // refusal would then delete it. register.lua alone refuses (and notes it).
             if crate::fence::is_fenced(conn, &self.keys, server).await? {
-                call.arg(user)
-                    .arg(server.as_str())
-                    .arg(self.layout.as_str());
                 return unless_fenced(call.invoke_async::<i64>(&mut conn.clone()).await, server)
                     .map(drop);
             }
@@ -146,9 +146,6 @@ impl Registry {
         } else {
             call.key(self.forward_key(user));
         }
-        call.arg(user)
-            .arg(server.as_str())
-            .arg(self.layout.as_str());
         let refused = match unless_fenced(call.invoke_async::<i64>(&mut conn.clone()).await, server)
         {
             Err(refused @ Error::Fenced { .. }) => refused,
@@ -249,28 +246,27 @@ impl Registry {
         let mut call = UNREGISTER.prepare_invoke();
         call.key(self.keys.server_fence(server))
             .key(self.keys.server_refusals(server))
-            .key(self.keys.server_users(server));
+            .key(self.keys.server_users(server))
+            .arg(user)
+            .arg(server.as_str())
+            .arg(self.layout.as_str());
         if conn.is_cluster() {
             self.release(conn, user, server).await?;
         } else {
             call.key(self.forward_key(user));
         }
-        call.arg(user)
-            .arg(server.as_str())
-            .arg(self.layout.as_str());
         unless_fenced(call.invoke_async::<i64>(&mut conn.clone()).await, server).map(drop)
     }
 
-    /// Deletes `user`'s forward entry if it still names `server` (release.lua); true if
-    /// it did.
-    async fn release(&self, conn: &RedisConn, user: &[u8], server: &ServerId) -> Result<bool> {
+    /// Deletes `user`'s forward entry if it still names `server` (release.lua).
+    async fn release(&self, conn: &RedisConn, user: &[u8], server: &ServerId) -> Result<()> {
         let mut call = RELEASE.prepare_invoke();
         call.key(self.forward_key(user))
             .arg(user)
             .arg(server.as_str())
             .arg(self.layout.as_str());
-        let deleted: i64 = call.invoke_async(&mut conn.clone()).await?;
-        Ok(deleted == 1)
+        let _deleted: i64 = call.invoke_async(&mut conn.clone()).await?;
+        Ok(())
     }
 
     /// Refreshes the server's liveness key (TTL `ttl_ms`) and its `servers` score
