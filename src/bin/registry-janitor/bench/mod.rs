@@ -214,16 +214,8 @@ fn ratios(runs: &[Run]) -> Ratios {
 /// correctness figures are the worst seen, so a failure in any repetition shows).
 fn median(runs: &[Run], name: &str) -> Run {
     let of: Vec<&Run> = runs.iter().filter(|r| r.name == name).collect();
-    let mid_f = |f: fn(&Run) -> f64| {
-        let mut v: Vec<f64> = of.iter().map(|r| f(r)).collect();
-        v.sort_by(|a, b| a.total_cmp(b));
-        v.get(v.len() / 2).copied().unwrap_or(0.0)
-    };
-    let mid_u = |f: fn(&Run) -> u64| {
-        let mut v: Vec<u64> = of.iter().map(|r| f(r)).collect();
-        v.sort_unstable();
-        v.get(v.len() / 2).copied().unwrap_or(0)
-    };
+    let mid_f = |f: fn(&Run) -> f64| probe::median_by(&of, f);
+    let mid_u = |f: fn(&Run) -> u64| probe::median_by(&of, f);
     Run {
         name: name.into(),
         users: of.first().map_or(0, |r| r.users),

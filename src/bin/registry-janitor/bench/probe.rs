@@ -126,6 +126,13 @@ pub(super) async fn probe_lookups(
     Ok(latencies)
 }
 
+/// The median of `f` over `of` (the upper one of an even count); 0 if `of` is empty.
+pub(super) fn median_by<R, T: Copy + PartialOrd + Default>(of: &[&R], f: impl Fn(&R) -> T) -> T {
+    let mut values: Vec<T> = of.iter().map(|r| f(r)).collect();
+    values.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+    values.get(values.len() / 2).copied().unwrap_or_default()
+}
+
 /// The `p` quantile (0..=1) of `sorted` latencies; 0 if there are none.
 pub(super) fn percentile(sorted: &[u64], p: f64) -> u64 {
     sorted

@@ -249,16 +249,8 @@ async fn lookup_run(
 /// `wrong` their sum, so that one bad run shows.
 fn median(runs: &[LookupCost], lookup: Lookup) -> LookupCost {
     let of: Vec<&LookupCost> = runs.iter().filter(|r| r.lookup == lookup).collect();
-    let mid_f = |f: fn(&LookupCost) -> f64| {
-        let mut v: Vec<f64> = of.iter().map(|r| f(r)).collect();
-        v.sort_by(|a, b| a.total_cmp(b));
-        v.get(v.len() / 2).copied().unwrap_or(0.0)
-    };
-    let mid_u = |f: fn(&LookupCost) -> u64| {
-        let mut v: Vec<u64> = of.iter().map(|r| f(r)).collect();
-        v.sort_unstable();
-        v.get(v.len() / 2).copied().unwrap_or(0)
-    };
+    let mid_f = |f: fn(&LookupCost) -> f64| super::probe::median_by(&of, f);
+    let mid_u = |f: fn(&LookupCost) -> u64| super::probe::median_by(&of, f);
     LookupCost {
         lookup,
         lookups: mid_u(|r| r.lookups as u64) as usize,
