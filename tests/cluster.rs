@@ -604,25 +604,8 @@ async fn fencing_holds_on_a_cluster() {
     const USERS: usize = 4_000;
     seed(&f.registry, &f.conn, &dead, USERS).await;
     seed(&f.registry, &f.conn, &live, 100).await;
-    let heartbeats = {
-        let (registry, conn, dead) = (f.registry.clone(), f.conn.clone(), dead.clone());
-        tokio::spawn(async move {
-            let mut beats = Vec::new();
-            loop {
-                let started = registry_janitor::now_ms();
-                match registry.heartbeat(&conn, &dead, 60_000).await {
-                    Ok(()) => beats.push((started, false)),
-                    Err(Error::Fenced { .. }) => {
-                        // When it ended: it may have started before the verdict.
-                        beats.push((registry_janitor::now_ms(), true));
-                        return beats;
-                    }
-                    Err(e) => panic!("heartbeat: {e}"),
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        })
-    };
+    let heartbeats =
+        heartbeat_until_fenced(&f.registry, &f.conn, &dead, Duration::from_millis(100));
     let zombie = {
         let (registry, conn, dead) = (f.registry.clone(), f.conn.clone(), dead.clone());
         tokio::spawn(async move {
@@ -678,9 +661,7 @@ async fn fencing_holds_on_a_cluster() {
         .query_async(&mut f.conn.clone())
         .await
         .unwrap();
-    let (last, refused) = *beats.last().unwrap();
-    assert!(refused && last >= verdict, "{beats:?} {verdict}");
-    assert!(beats[beats.len() - 2].0 <= verdict, "{beats:?} {verdict}");
+    beats.assert_told_at_the_first_after(verdict);
     assert_none_point_at(&f.registry, &f.conn, &tried, &dead, 200).await;
     assert_eq!(f.still_pointing(&dead, USERS).await, 0);
     assert_eq!(f.still_pointing(&live, 100).await, 100, "live entries lost");

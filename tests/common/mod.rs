@@ -550,3 +550,54 @@ pub async fn assert_none_point_at(
         users.len()
     );
 }
+
+/// What a connection server saw of its heartbeats until one was refused as FENCED: when
+/// each one started (unix ms; the refused one last), and when the refusal came back.
+#[derive(Debug)]
+pub struct Heartbeats {
+    pub started: Vec<u64>,
+    pub told_at: u64,
+}
+
+impl Heartbeats {
+    /// Asserts that the server was told at its first heartbeat after `verdict` (the
+    /// fence's `fenced_at_ms`): every heartbeat taken started before the verdict, and the
+    /// refused one came back after it. (It may have *started* before: a heartbeat in
+    /// flight when the fence is recorded is refused, so a start-time check would flake on
+    /// a busy machine.)
+    pub fn assert_told_at_the_first_after(&self, verdict: u64) {
+        assert!(self.told_at >= verdict, "{self:?} {verdict}");
+        let taken = &self.started[..self.started.len() - 1];
+        assert!(
+            taken.last().is_some_and(|&t| t <= verdict),
+            "a heartbeat started after the verdict ({verdict}) was taken: {self:?}"
+        );
+    }
+}
+
+/// Plays a connection server that heartbeats `server` every `interval` until a heartbeat
+/// is refused with `Error::Fenced` (any other error fails the test).
+pub fn heartbeat_until_fenced(
+    registry: &Registry,
+    conn: &RedisConn,
+    server: &ServerId,
+    interval: Duration,
+) -> JoinHandle<Heartbeats> {
+    let (registry, conn, server) = (registry.clone(), conn.clone(), server.clone());
+    tokio::spawn(async move {
+        let mut started = Vec::new();
+        loop {
+            started.push(registry_janitor::now_ms());
+            match registry.heartbeat(&conn, &server, 60_000).await {
+                Ok(()) => {}
+                Err(registry_janitor::error::Error::Fenced { server: named }) => {
+                    assert_eq!(named, server.as_str());
+                    let told_at = registry_janitor::now_ms();
+                    return Heartbeats { started, told_at };
+                }
+                Err(e) => panic!("heartbeat failed: {e}"),
+            }
+            tokio::time::sleep(interval).await;
+        }
+    })
+}
