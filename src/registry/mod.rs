@@ -111,6 +111,25 @@ impl Registry {
         }
     }
 
+    /// A call of register.lua or unregister.lua, which take the same keys and arguments:
+    /// S's fence, refusal notes and reverse set (the caller adds the forward entry's key
+    /// on one node), then the user, S and the layout.
+    fn member_call<'a>(
+        &self,
+        script: &'a redis::Script,
+        user: &[u8],
+        server: &ServerId,
+    ) -> redis::ScriptInvocation<'a> {
+        let mut call = script.prepare_invoke();
+        call.key(self.keys.server_fence(server))
+            .key(self.keys.server_refusals(server))
+            .key(self.keys.server_users(server))
+            .arg(user)
+            .arg(server.as_str())
+            .arg(self.layout.as_str());
+        call
+    }
+
     /// Adds the commands that register `user` on `server` to `pipe` (for bulk loads; the
     /// original protocol, without a fence check).
     pub fn add_register(&self, pipe: &mut redis::Pipeline, user: &[u8], server: &ServerId) {
@@ -124,13 +143,7 @@ impl Registry {
     /// `server` is fenced. One atomic step on one node; on a cluster the forward entry
     /// first, then the member with the fence check (undone if refused; see the module docs).
     pub async fn register(&self, conn: &RedisConn, user: &[u8], server: &ServerId) -> Result<()> {
-        let mut call = REGISTER.prepare_invoke();
-        call.key(self.keys.server_fence(server))
-            .key(self.keys.server_refusals(server))
-            .key(self.keys.server_users(server))
-            .arg(user)
-            .arg(server.as_str())
-            .arg(self.layout.as_str());
+        let mut call = self.member_call(&REGISTER, user, server);
         if conn.is_cluster() {
             // A server already fenced writes no forward entry: that write would replace
             // the entry of a user registered on a live server, and the release after the
@@ -243,13 +256,7 @@ impl Registry {
     /// `server`, then removes the user from the server's reverse set. A fenced server
     /// still loses the forward entry, gets [`Error::Fenced`] and writes no member.
     pub async fn unregister(&self, conn: &RedisConn, user: &[u8], server: &ServerId) -> Result<()> {
-        let mut call = UNREGISTER.prepare_invoke();
-        call.key(self.keys.server_fence(server))
-            .key(self.keys.server_refusals(server))
-            .key(self.keys.server_users(server))
-            .arg(user)
-            .arg(server.as_str())
-            .arg(self.layout.as_str());
+        let mut call = self.member_call(&UNREGISTER, user, server);
         if conn.is_cluster() {
             self.release(conn, user, server).await?;
         } else {
