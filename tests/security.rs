@@ -292,6 +292,14 @@ async fn each_role_runs_the_flow_with_only_its_acl_rules() {
     );
     connection_server_runs_the_protocol(&f, &connect(&as_role("connection-server")), &announced)
         .await;
+    // `status` is also the worker role's (the ACL example says so); it reads the refusal
+    // notes that the connection server has now written.
+    let out = janitor(&as_role("janitor-worker"))
+        .args(["status"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "worker status: {:?}", text(&out));
+    assert!(text(&out).0.contains("gw-announced#1"), "{:?}", text(&out));
 
     // Outside its rules a role fails, and the error names what was refused.
     let out = janitor(&as_role("janitor-emitter"))
