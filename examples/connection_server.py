@@ -20,14 +20,17 @@ incarnation. A quiet server learns the verdict at its next heartbeat.
 
 This is for one Redis node. On a Redis Cluster the forward entry (`registry`, or
 `user:<user>`) and the server's keys (`server:{<id>}:...`, one slot) are in different
-slots, so no one script call can hold both; the Lua headers say what to do instead:
-  - heartbeat: heartbeat.lua with the fence and liveness keys only; if it answered 1,
+slots, so no one script call can hold both; the Lua headers say what to do instead
+(F = server:{<id>}:fenced, N = server:{<id>}:refused, all in the server's one slot):
+  - heartbeat: heartbeat.lua with KEYS F, N, server:{<id>}:alive only; if it answered 1,
     ZADD servers <now_ms> <id>;
-  - register: HSET registry <user> <id> (or SET user:<user> <id>) first, then
-    register.lua with the fence and reverse-set keys only; on FENCED, undo the forward
-    entry with release.lua;
-  - unregister: release.lua on the forward entry first, then unregister.lua with the
-    fence and reverse-set keys only;
+  - register: EXISTS F first; if fenced, call register.lua with KEYS F, N,
+    server:{<id>}:users only (it refuses and notes it) and write no forward entry.
+    Otherwise HSET registry <user> <id> (or SET user:<user> <id>), then register.lua
+    with KEYS F, N, server:{<id>}:users only; on FENCED, undo the forward entry with
+    release.lua;
+  - unregister: release.lua on the forward entry first, then unregister.lua with KEYS F,
+    N, server:{<id>}:users only;
   - route: HGET registry <user> (or GET user:<user>), then EXISTS on the owner's
     `fenced` and `alive` keys (one slot); if fenced, release.lua on the forward entry.
 
