@@ -412,3 +412,58 @@ async fn unregister_answers_the_number_of_entries_it_deleted() {
     assert_eq!(unregister(&new).await, 1);
     assert_eq!(f.owner(&u).await, None);
 }
+
+/// Out of memory (maxmemory reached, noeviction), a fenced server is still told FENCED:
+/// the refusal is decided before any write, and its note is best effort. A live server's
+/// write meanwhile fails with OOM, a state that passes, never with FENCED.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_server_is_told_so_even_when_redis_is_out_of_memory() {
+    for layout in [Layout::Hash, Layout::Keys] {
+        let f = Fixture::new(layout);
+        let registry = Registry::new(f.keys.clone(), layout);
+        let (fenced, live) = (server("gw-fenced#1"), server("gw-live#1"));
+        registry.heartbeat(&f.conn, &fenced, 60_000).await.unwrap();
+        fence::record(&f.conn, &f.keys, &fenced, Some("1-1"), 600_000)
+            .await
+            .unwrap();
+        let _: () = f
+            .query(redis::cmd("CONFIG").arg("SET").arg("maxmemory").arg("1"))
+            .await;
+        let register = registry.register(&f.conn, b"late", &fenced).await;
+        let heartbeat = registry.heartbeat(&f.conn, &fenced, 60_000).await;
+        let unregister = registry.unregister(&f.conn, b"late", &fenced).await;
+        let live_write = registry.register(&f.conn, b"someone", &live).await;
+        let _: () = f
+            .query(redis::cmd("CONFIG").arg("SET").arg("maxmemory").arg("0"))
+            .await;
+        for answer in [&register, &heartbeat] {
+            assert!(matches!(answer, Err(Error::Fenced { .. })), "{answer:?}");
+        }
+        assert!(
+            matches!(unregister, Err(Error::Fenced { .. })),
+            "{unregister:?}"
+        );
+        let live_write = live_write.expect_err("a write out of memory must fail");
+        assert!(
+            !matches!(live_write, Error::Fenced { .. }) && live_write.to_string().contains("OOM"),
+            "{live_write:?}"
+        );
+        assert_eq!(f.owner(b"late").await, None, "{layout:?}");
+        // Memory back, the live server registers as usual; the fenced one stays refused.
+        registry.register(&f.conn, b"someone", &live).await.unwrap();
+        assert_eq!(
+            registry.route(&f.conn, b"someone").await.unwrap(),
+            None,
+            "gw-live has no liveness key yet, and route returns only a live owner"
+        );
+        registry.heartbeat(&f.conn, &live, 60_000).await.unwrap();
+        assert_eq!(
+            registry
+                .route(&f.conn, b"someone")
+                .await
+                .unwrap()
+                .as_deref(),
+            Some(live.as_str())
+        );
+    }
+}
