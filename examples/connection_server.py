@@ -32,7 +32,7 @@ slots, so no one script call can hold both; the Lua headers say what to do inste
   - unregister: release.lua on the forward entry first, then unregister.lua with KEYS F,
     N, server:{<id>}:users only;
   - route: HGET registry <user> (or GET user:<user>), then EXISTS on the owner's
-    `fenced` and `alive` keys (one slot); if fenced, release.lua on the forward entry.
+    `fenced` and `alive` keys (one slot); the owner only if not fenced and alive.
 
 Command line (Python 3.11, `pip install 'redis>=5,<7'`):
     connection_server.py [--redis-url URL] [--key-prefix P] [--layout hash|keys] \\

@@ -1,15 +1,16 @@
 -- registry-janitor connection-server protocol: where to route a message for a user.
 --
 -- Returns the owner server id only if that owner is neither fenced (declared dead) nor
--- past its liveness (its liveness key expired); otherwise nil. An entry whose owner is
--- fenced is deleted here, atomically with the check (the owner is dead for good). An
+-- past its liveness (its liveness key expired); otherwise nil. It reads only: an entry
+-- whose owner is fenced is deleted by the janitor's cleanup (or its drift sweep), which
+-- announces the user on the evictions stream; a delete here would go unannounced. An
 -- owner that only missed its liveness keeps its entry: it may be a slow heartbeat, and
 -- the reconciler decides.
 --
 -- One node only: the owner's keys are read by name (built from ARGV[3] and the owner),
 -- which a cluster does not allow. On a Redis Cluster: HGET registry <user> (or GET
 -- user:<user>); then EXISTS server:{<owner>}:fenced and EXISTS server:{<owner>}:alive
--- (one slot); if fenced, release.lua on the forward entry.
+-- (one slot).
 --
 -- KEYS[1] the forward entry: `registry` (layout hash) or `user:<user>` (layout keys)
 -- ARGV[1] user id  ARGV[2] 'hash' or 'keys'  ARGV[3] key_prefix (may be empty)
@@ -26,9 +27,6 @@ end
 -- liveness key, and it never goes into a key name.
 if not owner or #owner > 200 or not string.match(owner, '^[!-z|~]+$') then return false end
 local base = prefix .. 'server:{' .. owner .. '}:'
-if redis.call('EXISTS', base .. 'fenced') == 1 then
-  if ARGV[2] == 'hash' then redis.call('HDEL', forward, user) else redis.call('DEL', forward) end
-  return false
-end
+if redis.call('EXISTS', base .. 'fenced') == 1 then return false end
 if redis.call('EXISTS', base .. 'alive') == 0 then return false end
 return owner

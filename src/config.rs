@@ -115,6 +115,10 @@ pub struct Settings {
     pub reconcile_interval_ms: u64,
     /// Lifetime of a fence (the verdict against a dead server's incarnation).
     pub fence_ttl_ms: u64,
+    /// Write the evictions stream?
+    pub evictions: bool,
+    /// The evictions stream's name, under `key_prefix`.
+    pub evictions_stream: String,
     /// May the reconciler CONFIG SET notify-keyspace-events itself?
     pub keyspace_events_auto: bool,
     /// Drift sweep entries per step.
@@ -272,6 +276,30 @@ impl Settings {
                 ),
             );
         }
+        if self.evictions {
+            let name = &self.evictions_stream;
+            let taken = [
+                "registry:events",
+                "registry:events:dead",
+                "registry",
+                "servers",
+            ];
+            if name.is_empty()
+                || name.len() > 200
+                || name.bytes().any(|b| !b.is_ascii_graphic())
+                || taken.contains(&name.as_str())
+                || name.starts_with("user:")
+                || name.starts_with("server:")
+            {
+                return bad(
+                    "evictions_stream",
+                    format!(
+                        "must be 1 to 200 printable ASCII bytes and not a key of the registry's \
+                         own (registry, servers, user:*, server:*, the events streams), got {name:?}"
+                    ),
+                );
+            }
+        }
         if self.maintenance_interval_ms < 100 {
             return bad("maintenance_interval_ms", "must be at least 100");
         }
@@ -426,6 +454,8 @@ mod tests {
         assert_eq!(s.heartbeat_grace_ms, 30000);
         assert_eq!(s.reconcile_interval_ms, 30000);
         assert_eq!(s.fence_ttl_ms, 7 * 24 * 3600 * 1000);
+        assert!(s.evictions);
+        assert_eq!(s.evictions_stream, crate::keys::DEFAULT_EVICTIONS_STREAM);
         assert!(s.consumer_name.is_none());
     }
 
@@ -450,6 +480,12 @@ mod tests {
         check(|s| s.metrics_addr = "nowhere".into(), "metrics_addr");
         check(|s| s.max_deliveries = 0, "max_deliveries");
         check(|s| s.fence_ttl_ms = 1000, "fence_ttl_ms");
+        check(|s| s.evictions_stream = String::new(), "evictions_stream");
+        check(
+            |s| s.evictions_stream = "registry:events".into(),
+            "evictions_stream",
+        );
+        check(|s| s.evictions_stream = "user:x".into(), "evictions_stream");
         check(|s| s.fence_ttl_ms = s.heartbeat_grace_ms, "fence_ttl_ms");
         // Past what PEXPIRE takes, the fence would be left with no lifetime.
         check(|s| s.fence_ttl_ms = i64::MAX as u64, "fence_ttl_ms");

@@ -55,13 +55,42 @@ pub mod ids {
 pub struct Keys {
     /// Prepended verbatim to every key; empty by default.
     prefix: String,
+    /// The evictions stream's full name, or `None` when it is switched off.
+    evictions: Option<String>,
 }
 
+/// The evictions stream's name under the prefix when the settings do not name one.
+pub const DEFAULT_EVICTIONS_STREAM: &str = "registry:evictions";
+
 impl Keys {
+    /// Keys under `prefix`, with the evictions stream on, under its default name.
     pub fn new(prefix: impl Into<String>) -> Self {
+        let prefix = prefix.into();
         Keys {
-            prefix: prefix.into(),
+            evictions: Some(format!("{prefix}{DEFAULT_EVICTIONS_STREAM}")),
+            prefix,
         }
+    }
+
+    /// Keys as the settings name them: `key_prefix`, and the evictions stream
+    /// (`evictions_stream` under the prefix, unless `evictions` is false).
+    pub fn for_settings(settings: &crate::config::Settings) -> Self {
+        Keys::new(settings.key_prefix.clone()).evictions_stream(
+            settings
+                .evictions
+                .then_some(settings.evictions_stream.as_str()),
+        )
+    }
+
+    /// The evictions stream is `name` under the prefix, or off with `None`.
+    pub fn evictions_stream(mut self, name: Option<&str>) -> Self {
+        self.evictions = name.map(|n| format!("{}{n}", self.prefix));
+        self
+    }
+
+    /// The stream of `users.evicted` and `server.cleaned` entries, unless switched off.
+    pub fn evictions(&self) -> Option<&str> {
+        self.evictions.as_deref()
     }
 
     pub fn prefix(&self) -> &str {

@@ -63,6 +63,7 @@ pub mod conn;
 pub mod dead_letters;
 pub mod error;
 pub mod event;
+pub mod evictions;
 pub mod fence;
 pub mod forward;
 pub mod health;

@@ -59,6 +59,10 @@ pub struct Metrics {
     /// Fenced servers that tried to write within `heartbeat_grace_ms`: a false positive
     /// or a zombie.
     pub fenced_servers_writing: IntGauge,
+    /// `users.evicted` entries written to the evictions stream (cleanup and sweep).
+    pub evictions_entries: IntCounter,
+    /// Users announced in those entries.
+    pub evictions_users: IntCounter,
     /// Refusals already counted, per fence and operation.
     fence_refusals_seen:
         std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, [u64; 3]>>>,
@@ -173,8 +177,18 @@ impl Metrics {
             "registry_janitor_expiry_hints_total",
             "Keyspace expiry notifications of liveness keys received",
         );
+        let evictions_entries = counter(
+            "registry_janitor_evictions_entries_total",
+            "users.evicted entries written to the evictions stream",
+        );
+        let evictions_users = counter(
+            "registry_janitor_evictions_users_total",
+            "Users announced in users.evicted entries of the evictions stream",
+        );
         for c in [
-            Box::new(reconcile_passes.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(evictions_entries.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(evictions_users.clone()),
+            Box::new(reconcile_passes.clone()),
             Box::new(reconcile_dead_found.clone()),
             Box::new(drift_entries_removed.clone()),
             Box::new(drift_members_removed.clone()),
@@ -231,7 +245,17 @@ impl Metrics {
             fence_refused_writes,
             fenced_servers,
             fenced_servers_writing,
+            evictions_entries,
+            evictions_users,
             fence_refusals_seen: Default::default(),
+        }
+    }
+
+    /// Counts `entries` written to the evictions stream, announcing `users` users.
+    pub fn observe_evictions(&self, entries: u64, users: u64) {
+        if entries > 0 {
+            self.evictions_entries.inc_by(entries);
+            self.evictions_users.inc_by(users);
         }
     }
 

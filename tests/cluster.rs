@@ -49,7 +49,7 @@ impl ClusterFixture {
         let conn = conn::shared_for(&conn::target_for(&settings).unwrap())
             .await
             .unwrap();
-        let keys = Keys::new(settings.key_prefix.clone());
+        let keys = Keys::for_settings(&settings);
         Some(ClusterFixture {
             registry: Registry::new(keys.clone(), layout),
             keys,

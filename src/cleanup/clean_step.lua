@@ -36,17 +36,29 @@
 --
 -- KEYS[1] server:{S}:users   KEYS[2] server:{S}:walking   KEYS[3] server:{S}:moved
 -- KEYS[4] server:{S}:cleanup KEYS[5] servers   KEYS[6] registry (layout hash)
--- KEYS[7] events stream
+-- KEYS[7] events stream   KEYS[8] the evictions stream (absent when switched off)
 -- ARGV[1] server id   ARGV[2] chunk size   ARGV[3] 'hash' or 'keys'
 -- ARGV[4] forward key prefix for layout keys (<key_prefix>user:)   ARGV[5] 'scan' or 'pop'
 -- ARGV[6] consumer group   ARGV[7] entry id to acknowledge when clean ('' for none)
--- Returns {done (0/1), members handled, entries deleted, entries kept, mode used}
+-- ARGV[8] the event's event_id, for the evictions stream ('' for none)
+-- Returns {done (0/1), members handled, entries deleted, entries kept, mode used,
+--          evictions entries written}
+--
+-- Evictions: the users this step deleted are announced in `users.evicted` entries of
+-- KEYS[8] (announce.lua), in this script, so each deleted user is announced exactly once
+-- and a kept one never. The step that acknowledges the event (XACK answered 1: only one
+-- step can) announces `server.cleaned` with the totals of the cleanup, counted in the
+-- progress hash (`evicted`, `kept`).
 
 local users_key, walking_key, moved_key = KEYS[1], KEYS[2], KEYS[3]
 local progress_key, servers_key, registry_key, events_key = KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local server, count, user_prefix = ARGV[1], tonumber(ARGV[2]), ARGV[4]
 local hash_layout = ARGV[3] == 'hash'
 local mode = ARGV[5]
+local evictions, event_id = KEYS[8], ARGV[8] or ''
+local announced = 0
+local check = check_evictions_stream(evictions)
+if check then return check end
 
 local run_id
 if mode == 'scan' then
@@ -57,6 +69,7 @@ end
 
 local function check_delete(members)
   local deleted, kept = 0, 0
+  local evicted = {}
   for first = 1, #members, BATCH do
     local last = math.min(first + BATCH - 1, #members)
     local owners = owners_of(members, first, last, hash_layout, registry_key, user_prefix)
@@ -70,16 +83,26 @@ local function check_delete(members)
       end
     end
     deleted = deleted + delete_forward(doomed, hash_layout, registry_key, user_prefix)
+    for i = 1, #doomed do evicted[#evicted + 1] = doomed[i] end
   end
+  announced = announced + announce_evicted(evictions, server, event_id, 'cleanup', evicted)
+  -- Totals for `server.cleaned`. Only after a write of this step (a pop or a delete), so
+  -- that out of memory they are let through, and never on a finished cleanup's record.
+  if deleted > 0 then redis.call('HINCRBY', progress_key, 'evicted', deleted) end
+  if kept > 0 then redis.call('HINCRBY', progress_key, 'kept', kept) end
   return deleted, kept
 end
 
 -- Clean if nothing is left anywhere; then the bookkeeping goes and the event is acked.
 local function finish_if_clean()
   if redis.call('EXISTS', users_key, walking_key, moved_key) > 0 then return 0 end
+  local totals = redis.call('HMGET', progress_key, 'evicted', 'kept')
   redis.call('UNLINK', progress_key)
   redis.call('ZREM', servers_key, server)
-  if ARGV[7] ~= '' then redis.call('XACK', events_key, ARGV[6], ARGV[7]) end
+  if ARGV[7] ~= '' and redis.call('XACK', events_key, ARGV[6], ARGV[7]) == 1 then
+    announce_cleaned(evictions, server, event_id, tonumber(totals[1] or '0'),
+      tonumber(totals[2] or '0'))
+  end
   return 1
 end
 
@@ -88,12 +111,12 @@ if redis.call('EXISTS', moved_key) == 1 then
   local members = {}
   for i = 1, #popped, 2 do members[#members + 1] = popped[i] end
   local deleted, kept = check_delete(members)
-  return {finish_if_clean(), #members, deleted, kept, mode}
+  return {finish_if_clean(), #members, deleted, kept, mode, announced}
 end
 
 if redis.call('EXISTS', walking_key) == 0 then
   if redis.call('EXISTS', users_key) == 0 then
-    return {finish_if_clean(), 0, 0, 0, mode}
+    return {finish_if_clean(), 0, 0, 0, mode, announced}
   end
   redis.call('RENAME', users_key, walking_key)
   -- HDEL takes no memory: a new walk starts from cursor 0 even in 'pop' mode.
@@ -125,6 +148,6 @@ local deleted, kept = check_delete(members)
 if walked then
   redis.call('UNLINK', walking_key)
   redis.call('HDEL', progress_key, 'walk_cursor', 'walk_run_id')
-  return {finish_if_clean(), #members, deleted, kept, mode}
+  return {finish_if_clean(), #members, deleted, kept, mode, announced}
 end
-return {0, #members, deleted, kept, mode}
+return {0, #members, deleted, kept, mode, announced}

@@ -46,6 +46,7 @@ impl Cleaner {
         &self,
         conn: &RedisConn,
         server: &ServerId,
+        event_id: &str,
         entry: Option<&str>,
         stop: &CancellationToken,
         mut on_step: impl FnMut(&Step),
@@ -68,16 +69,17 @@ impl Cleaner {
                 flush_errors();
                 return Err(Error::Cancelled);
             }
-            let (step, advanced) = self
-                .cluster_chunk(conn, server, &mut epoch, &errors, stop)
+            let (step, advanced, totals) = self
+                .cluster_chunk(conn, server, event_id, &mut epoch, &errors, stop)
                 .await?;
             report.add(&step);
             on_step(&step);
             match advanced.as_str() {
                 "done" => {
                     flush_errors();
+                    let event = entry.map(|entry| (entry, event_id, totals));
                     if self
-                        .finish_on_cluster(conn, server, entry, &mut report, stop)
+                        .finish_on_cluster(conn, server, event, &mut report, stop)
                         .await?
                     {
                         return Ok(report);
@@ -96,24 +98,47 @@ impl Cleaner {
         }
     }
 
-    /// One chunk: scan (slot of `{S}`), check-and-delete (the entries' slots), and at the
-    /// end of a walk a fresh read of the epoch, then advance (slot of `{S}`). Returns the
-    /// step and what the advance said ('done', 'again', 'advanced' or 'raced').
+    /// One chunk: scan (slot of `{S}`), check-and-delete (the entries' slots), the
+    /// announcement of the evicted users (the evictions stream's slot), and at the end of
+    /// a walk a fresh read of the epoch, then advance (slot of `{S}`). Returns the step,
+    /// what the advance said ('done', 'again', 'advanced' or 'raced') and, when 'done',
+    /// the cleanup's totals (deleted, kept) as the progress record counted them.
+    ///
+    /// The announcement names the users this chunk deleted and those whose entry was
+    /// already gone: the cursor moves only after it, so a chunk repeated after a crash, or
+    /// walked again after a failover, announces the users whose delete an earlier attempt
+    /// did but never announced. At least once, never a user whose entry names another
+    /// server.
     async fn cluster_chunk(
         &self,
         conn: &RedisConn,
         server: &ServerId,
+        event_id: &str,
         epoch: &mut u64,
         errors: &prometheus::IntCounter,
         stop: &CancellationToken,
-    ) -> Result<(Step, String)> {
+    ) -> Result<(Step, String, (u64, u64))> {
         let (walk, at, next, members) =
             retrying_counted("cleanup scan", stop, Some(errors), || {
                 self.cluster_scan(conn, server, *epoch)
             })
             .await?;
-        let (deleted, kept) = retrying_counted("cleanup delete", stop, Some(errors), || {
+        let checked = retrying_counted("cleanup delete", stop, Some(errors), || {
             crate::forward::check_delete(conn, &self.keys, self.layout, server, &members)
+        })
+        .await?;
+        let (deleted, kept) = (checked.deleted, checked.kept);
+        let mut gone = checked.deleted_users;
+        gone.extend(checked.absent_users);
+        let announced = retrying_counted("announcing evictions", stop, Some(errors), || {
+            crate::evictions::announce_evicted(
+                conn,
+                &self.keys,
+                server,
+                event_id,
+                crate::evictions::Source::Cleanup,
+                &gone,
+            )
         })
         .await?;
         if next == "0" {
@@ -127,33 +152,50 @@ impl Cleaner {
             scanned: members.len(),
         };
         let saw_errors = errors.get() > 0;
-        let advanced = retrying_counted("cleanup advance", stop, Some(errors), || {
-            self.cluster_advance(conn, server, &chunk, *epoch, saw_errors)
-        })
-        .await?;
+        let (advanced, total_deleted, total_kept) =
+            retrying_counted("cleanup advance", stop, Some(errors), || {
+                self.cluster_advance(conn, server, &chunk, (deleted, kept), *epoch, saw_errors)
+            })
+            .await?;
         let step = Step {
             done: advanced == "done",
             scanned: members.len() as u64,
             deleted,
             kept,
+            announced,
+            announced_users: if announced > 0 { gone.len() as u64 } else { 0 },
         };
-        Ok((step, advanced))
+        Ok((step, advanced, (total_deleted, total_kept)))
     }
 
-    /// After the step that found nothing left: the acknowledgement (the stream is in
-    /// another slot, so it follows the step), then one more check. A member added between
+    /// After the step that found nothing left: `server.cleaned` on the evictions stream,
+    /// then the acknowledgement (both in other slots, so they follow the step; in this
+    /// order, so that a crash between them repeats the announcement rather than lose it),
+    /// then one more check. A member added between
     /// the last step and the acknowledgement (a zombie, a registration in two steps) is
     /// walked next: returns false. S leaves `servers` only once nothing is left (true):
     /// should this worker die before, the reconciler still sees S and reports it again.
+    /// `event`: the entry to acknowledge, the event_id and the cleanup's totals.
     async fn finish_on_cluster(
         &self,
         conn: &RedisConn,
         server: &ServerId,
-        entry: Option<&str>,
+        event: Option<(&str, &str, (u64, u64))>,
         report: &mut Report,
         stop: &CancellationToken,
     ) -> Result<bool> {
-        if let (Some(id), false) = (entry, report.acknowledged) {
+        if let (Some((id, event_id, (deleted, kept))), false) = (event, report.acknowledged) {
+            retrying_counted(
+                "announcing server.cleaned",
+                stop,
+                self.errors.as_ref(),
+                || {
+                    crate::evictions::announce_cleaned(
+                        conn, &self.keys, server, event_id, deleted, kept,
+                    )
+                },
+            )
+            .await?;
             retrying_counted("acknowledging", stop, self.errors.as_ref(), || {
                 crate::stream::ack(conn, &self.keys, id)
             })
@@ -207,9 +249,10 @@ impl Cleaner {
         conn: &RedisConn,
         server: &ServerId,
         chunk: &Chunk<'_>,
+        (deleted, kept): (u64, u64),
         epoch: u64,
         saw_errors: bool,
-    ) -> Result<String> {
+    ) -> Result<(String, u64, u64)> {
         let mut call = CLUSTER_ADVANCE.prepare_invoke();
         call.key(self.keys.server_users(server))
             .key(self.keys.server_walking(server))
@@ -219,7 +262,9 @@ impl Cleaner {
             .arg(chunk.next)
             .arg(chunk.scanned)
             .arg(epoch)
-            .arg(if saw_errors { "1" } else { "0" });
+            .arg(if saw_errors { "1" } else { "0" })
+            .arg(deleted)
+            .arg(kept);
         Ok(call.invoke_async(&mut conn.clone()).await?)
     }
 }

@@ -14,12 +14,26 @@
 -- ARGV[1] walk number  ARGV[2] cursor the chunk was scanned at  ARGV[3] next cursor
 -- ARGV[4] members scanned  ARGV[5] the cluster's current_epoch now
 -- ARGV[6] '1' if the worker saw errors
--- Returns 'done', 'again', 'advanced' or 'raced'
+-- ARGV[7], ARGV[8] the entries the chunk deleted and kept, added to the cleanup's totals
+-- (`evicted`, `kept` in the progress hash) whatever the answer: a chunk raced by a
+-- duplicate worker deleted other users than the winner's.
+-- Returns {'done', 'again', 'advanced' or 'raced', total deleted, total kept}: the totals
+-- of the cleanup so far, for server.cleaned (before the progress hash goes, on 'done').
+
+local function counted(answer)
+  local totals = redis.call('HMGET', KEYS[3], 'evicted', 'kept')
+  return {answer, tonumber(totals[1] or '0'), tonumber(totals[2] or '0')}
+end
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  if tonumber(ARGV[7]) > 0 then redis.call('HINCRBY', KEYS[3], 'evicted', ARGV[7]) end
+  if tonumber(ARGV[8]) > 0 then redis.call('HINCRBY', KEYS[3], 'kept', ARGV[8]) end
+end
 
 if redis.call('EXISTS', KEYS[2]) == 0 then
-  if redis.call('EXISTS', KEYS[1]) == 1 then return 'advanced' end
+  if redis.call('EXISTS', KEYS[1]) == 1 then return counted('advanced') end
+  local answer = counted('done')
   redis.call('DEL', KEYS[3])
-  return 'done'
+  return answer
 end
 local info = redis.pcall('INFO', 'server')
 local run_id = type(info) == 'string' and string.match(info, 'run_id:(%x+)')
@@ -29,7 +43,7 @@ end
 local progress = redis.call('HMGET', KEYS[3], 'walk_cursor', 'walk_run_id', 'epoch',
   'rewalks', 'walk')
 if progress[5] ~= ARGV[1] or (progress[1] or '0') ~= ARGV[2] or progress[2] ~= run_id then
-  return 'raced'
+  return counted('raced')
 end
 if ARGV[3] == '0' then
   local rewalks = tonumber(progress[4] or '0')
@@ -37,16 +51,17 @@ if ARGV[3] == '0' then
     redis.call('HDEL', KEYS[3], 'walk_cursor')
     redis.call('HSET', KEYS[3], 'scanned', 0, 'epoch', ARGV[5], 'rewalks', rewalks + 1)
     redis.call('HINCRBY', KEYS[3], 'walk', 1)
-    return 'again'
+    return counted('again')
   end
   redis.call('UNLINK', KEYS[2])
   if redis.call('EXISTS', KEYS[1]) == 1 then
     redis.call('HDEL', KEYS[3], 'walk_cursor')
-    return 'advanced'
+    return counted('advanced')
   end
+  local answer = counted('done')
   redis.call('UNLINK', KEYS[3])
-  return 'done'
+  return answer
 end
 redis.call('HSET', KEYS[3], 'walk_cursor', ARGV[3])
 redis.call('HINCRBY', KEYS[3], 'scanned', ARGV[4])
-return 'advanced'
+return counted('advanced')

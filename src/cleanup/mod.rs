@@ -94,6 +94,18 @@ pub struct Step {
     pub deleted: u64,
     /// Forward entries left alone because they point at another server now.
     pub kept: u64,
+    /// `users.evicted` entries written to the evictions stream by this step.
+    pub announced: u64,
+    /// Users in those entries.
+    pub announced_users: u64,
+}
+
+/// The `server.dead` a cleanup answers: its stream entry, which the cleanup acknowledges,
+/// and its `event_id`, which the evictions stream carries.
+#[derive(Debug, Clone, Copy)]
+pub struct EventRef<'a> {
+    pub entry: &'a str,
+    pub event_id: &'a str,
 }
 
 /// Totals of one cleanup, as seen by this worker.
@@ -104,6 +116,8 @@ pub struct Report {
     pub scanned: u64,
     pub deleted: u64,
     pub kept: u64,
+    /// `users.evicted` entries written.
+    pub announced: u64,
     /// The event's entry was acknowledged by the cleanup itself (see [`Cleaner::clean_event`]).
     pub acknowledged: bool,
 }
@@ -114,6 +128,7 @@ impl Report {
         self.scanned += other.scanned;
         self.deleted += other.deleted;
         self.kept += other.kept;
+        self.announced += other.announced;
         self.acknowledged |= other.acknowledged;
     }
 
@@ -122,6 +137,7 @@ impl Report {
         self.scanned += step.scanned;
         self.deleted += step.deleted;
         self.kept += step.kept;
+        self.announced += step.announced;
     }
 }
 
@@ -199,13 +215,17 @@ impl Cleaner {
         &self,
         conn: &RedisConn,
         server: &ServerId,
-        entry: Option<&str>,
+        event: Option<EventRef<'_>>,
         stop: &CancellationToken,
         on_step: impl FnMut(&Step),
     ) -> Result<Report> {
+        let entry = event.map(|e| e.entry);
+        let event_id = event.map_or("", |e| e.event_id);
         // The verdict first: from here on the protocol refuses S's writes.
         if self.fence(conn, server, entry, stop, false).await? {
-            return self.walk(conn, server, entry, stop, on_step).await;
+            return self
+                .walk(conn, server, event_id, entry, stop, on_step)
+                .await;
         }
         // Out of memory: no write can take memory, so S's writes through the protocol are
         // refused by Redis anyway. Clean first (the cleanup frees memory), then record the
@@ -213,9 +233,13 @@ impl Cleaner {
         // walking once more what arrived meanwhile.
         tracing::warn!(server_id = %server, "Redis is out of memory: cleaning first, fencing as soon as memory allows; the event is acknowledged only once the fence stands");
         let mut on_step = on_step;
-        let mut report = self.walk(conn, server, None, stop, &mut on_step).await?;
+        let mut report = self
+            .walk(conn, server, event_id, None, stop, &mut on_step)
+            .await?;
         self.fence(conn, server, entry, stop, true).await?;
-        let rest = self.walk(conn, server, entry, stop, on_step).await?;
+        let rest = self
+            .walk(conn, server, event_id, entry, stop, on_step)
+            .await?;
         report.merge(&rest);
         Ok(report)
     }
@@ -245,21 +269,24 @@ impl Cleaner {
         .await
     }
 
-    /// The walk of [`Cleaner::clean_event`], once the fence is recorded.
+    /// The walk of [`Cleaner::clean_event`], once the fence is recorded. Evictions carry
+    /// `event_id`; with `entry`, the walk's end acknowledges it.
     async fn walk(
         &self,
         conn: &RedisConn,
         server: &ServerId,
+        event_id: &str,
         entry: Option<&str>,
         stop: &CancellationToken,
         on_step: impl FnMut(&Step),
     ) -> Result<Report> {
         if conn.is_cluster() {
             return self
-                .clean_on_cluster(conn, server, entry, stop, on_step)
+                .clean_on_cluster(conn, server, event_id, entry, stop, on_step)
                 .await;
         }
-        self.clean_on_node(conn, server, entry, stop, on_step).await
+        self.clean_on_node(conn, server, event_id, entry, stop, on_step)
+            .await
     }
 
     /// How far the cleanup of `server` has got: `Some(members scanned)` while under

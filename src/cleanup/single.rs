@@ -24,6 +24,7 @@ impl Cleaner {
         &self,
         conn: &RedisConn,
         server: &ServerId,
+        event_id: &str,
         entry: Option<&str>,
         stop: &CancellationToken,
         mut on_step: impl FnMut(&Step),
@@ -38,13 +39,14 @@ impl Cleaner {
                 } else {
                     WalkMode::Scan
                 };
-                let result = self.step_with(conn, server, mode, entry).await;
+                let result = self.step_with(conn, server, mode, event_id, entry).await;
                 match result {
                     Err(Error::Redis(e)) if e.code() == Some("OOM") && mode == WalkMode::Scan => {
                         if !oom.swap(true, std::sync::atomic::Ordering::Relaxed) {
                             tracing::warn!(server_id = %server, "Redis is out of memory: walking on with SPOP, which needs none");
                         }
-                        self.step_with(conn, server, WalkMode::Pop, entry).await
+                        self.step_with(conn, server, WalkMode::Pop, event_id, entry)
+                            .await
                     }
                     other => other,
                 }
@@ -79,16 +81,18 @@ impl Cleaner {
 
     /// One call of the step script, walking with SSCAN (see [`Cleaner::step_with`]).
     pub async fn step(&self, conn: &RedisConn, server: &ServerId) -> Result<Step> {
-        self.step_with(conn, server, WalkMode::Scan, None).await
+        self.step_with(conn, server, WalkMode::Scan, "", None).await
     }
 
     /// One call of the step script (clean_step.lua) in `mode`; with `entry`, the step that
-    /// finds nothing left acknowledges that entry.
+    /// finds nothing left acknowledges that entry. The users it deletes are announced on
+    /// the evictions stream, with `event_id`.
     pub async fn step_with(
         &self,
         conn: &RedisConn,
         server: &ServerId,
         mode: WalkMode,
+        event_id: &str,
         entry: Option<&str>,
     ) -> Result<Step> {
         let layout = self.layout.as_str();
@@ -99,8 +103,11 @@ impl Cleaner {
             .key(self.keys.server_cleanup(server))
             .key(self.keys.servers())
             .key(self.keys.registry())
-            .key(self.keys.events())
-            .arg(server.as_str())
+            .key(self.keys.events());
+        if let Some(stream) = self.keys.evictions() {
+            call.key(stream);
+        }
+        call.arg(server.as_str())
             .arg(self.chunk_size)
             .arg(layout)
             .arg(self.keys.user_key_prefix())
@@ -109,14 +116,18 @@ impl Cleaner {
                 WalkMode::Pop => "pop",
             })
             .arg(crate::keys::GROUP)
-            .arg(entry.unwrap_or(""));
-        let (done, scanned, deleted, kept, _mode): (i64, u64, u64, u64, String) =
+            .arg(entry.unwrap_or(""))
+            .arg(event_id);
+        let (done, scanned, deleted, kept, _mode, announced): (i64, u64, u64, u64, String, u64) =
             call.invoke_async(&mut conn.clone()).await?;
         Ok(Step {
             done: done == 1,
             scanned,
             deleted,
             kept,
+            announced,
+            // On one node exactly the users the step deleted.
+            announced_users: if announced > 0 { deleted } else { 0 },
         })
     }
 }

@@ -4,7 +4,10 @@
 -- Layout hash: KEYS[1] registry, ARGV[3..] user ids.
 -- Layout keys: KEYS = forward keys (all in one slot).
 -- ARGV[1] dead server id  ARGV[2] 'hash' or 'keys'
--- Returns {entries deleted, entries kept}
+-- Returns {entries deleted, entries kept, positions deleted, positions absent}: the
+-- positions (1-based, in the order given) of the users whose entry this call deleted, and
+-- of those that had no entry (the evictions stream on a cluster announces both: an
+-- absent entry may be one whose delete was done by an attempt that never announced it).
 
 local server, hash_layout = ARGV[1], ARGV[2] == 'hash'
 local names = {}
@@ -14,6 +17,7 @@ else
   names = KEYS
 end
 local deleted, kept = 0, 0
+local deleted_at, absent_at = {}, {}
 for first = 1, #names, BATCH do
   local last = math.min(first + BATCH - 1, #names)
   local owners
@@ -27,8 +31,11 @@ for first = 1, #names, BATCH do
     if owners[i] == server then
       n = n + 1
       doomed[n] = names[first + i - 1]
+      deleted_at[#deleted_at + 1] = first + i - 1
     elseif owners[i] then
       kept = kept + 1
+    else
+      absent_at[#absent_at + 1] = first + i - 1
     end
   end
   if n > 0 then
@@ -39,4 +46,4 @@ for first = 1, #names, BATCH do
     end
   end
 end
-return {deleted, kept}
+return {deleted, kept, deleted_at, absent_at}

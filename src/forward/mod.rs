@@ -12,8 +12,12 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 
 use crate::{config::Layout, conn::RedisConn, error::Result, event::ServerId, keys::Keys};
 
-/// The shared Lua prelude (see owners.lua).
-pub(crate) const PRELUDE: &str = include_str!("owners.lua");
+/// The shared Lua prelude (see owners.lua), with the evictions stream's writer
+/// (evictions/announce.lua), so that the scripts that delete also announce.
+pub(crate) const PRELUDE: &str = concat!(
+    include_str!("owners.lua"),
+    include_str!("../evictions/announce.lua")
+);
 
 /// A script made of the shared prelude followed by `body`.
 pub(crate) fn with_prelude(body: &str) -> redis::Script {
@@ -26,20 +30,35 @@ static CHECK_DELETE: LazyLock<redis::Script> =
 /// Check-and-delete scripts (one per slot) of one chunk in flight at once on a cluster.
 const SLOTS_IN_FLIGHT: usize = 64;
 
+/// What a check-and-delete did.
+#[derive(Debug, Default)]
+pub struct Checked {
+    /// Entries deleted (they still named the dead server).
+    pub deleted: u64,
+    /// Entries left alone: they name another server now.
+    pub kept: u64,
+    /// The users whose entry was deleted.
+    pub deleted_users: Vec<Vec<u8>>,
+    /// The users who had no entry at all.
+    pub absent_users: Vec<Vec<u8>>,
+}
+
 /// Check-and-delete of `users`' forward entries that still name `server`: one script per
 /// slot (one call for layout `hash`, whose entries share the `registry` key; for layout
-/// `keys`, the users grouped by slot, many calls in flight). Returns (deleted, kept): kept
-/// are entries that name another server now. Works on one node and on a cluster.
+/// `keys`, the users grouped by slot, many calls in flight). Kept are entries that name
+/// another server now. Works on one node and on a cluster.
 pub async fn check_delete(
     conn: &RedisConn,
     keys: &Keys,
     layout: Layout,
     server: &ServerId,
     users: &[Vec<u8>],
-) -> Result<(u64, u64)> {
+) -> Result<Checked> {
+    let mut checked = Checked::default();
     if users.is_empty() {
-        return Ok((0, 0));
+        return Ok(checked);
     }
+    // Each call with the users it was given, in order (its answer names positions).
     let mut calls = Vec::new();
     match layout {
         Layout::Hash => {
@@ -48,45 +67,59 @@ pub async fn check_delete(
             for u in users {
                 call.arg(u);
             }
-            calls.push(call);
+            calls.push((call, users.iter().collect::<Vec<_>>()));
         }
         Layout::Keys => {
-            let mut by_slot: std::collections::HashMap<redis::cluster_routing::Slot, Vec<Vec<u8>>> =
-                std::collections::HashMap::new();
+            let mut by_slot: std::collections::HashMap<
+                redis::cluster_routing::Slot,
+                Vec<&Vec<u8>>,
+            > = std::collections::HashMap::new();
             for u in users {
-                let key = keys.user(u);
                 by_slot
-                    .entry(redis::cluster_routing::Slot::for_key(&key))
+                    .entry(redis::cluster_routing::Slot::for_key(&keys.user(u)))
                     .or_default()
-                    .push(key);
+                    .push(u);
             }
-            for keys in by_slot.into_values() {
+            for users in by_slot.into_values() {
                 let mut call = CHECK_DELETE.prepare_invoke();
                 call.arg(server.as_str()).arg("keys");
-                for k in keys {
-                    call.key(k);
+                for u in &users {
+                    call.key(keys.user(u));
                 }
-                calls.push(call);
+                calls.push((call, users));
             }
         }
     }
     // A plain loop rather than an iterator of closures: the latter trips rustc's
     // higher-ranked `Send` inference when the worker spawns this future.
-    let mut totals = (0, 0);
     let mut queued = calls.iter();
     let mut in_flight = FuturesUnordered::new();
     loop {
         while in_flight.len() < SLOTS_IN_FLIGHT {
-            let Some(call) = queued.next() else { break };
+            let Some((call, users)) = queued.next() else {
+                break;
+            };
             let mut c = conn.clone();
-            in_flight.push(async move { call.invoke_async::<(u64, u64)>(&mut c).await });
+            in_flight.push(async move {
+                type Reply = (u64, u64, Vec<usize>, Vec<usize>);
+                call.invoke_async::<Reply>(&mut c)
+                    .await
+                    .map(|reply| (reply, users))
+            });
         }
         let Some(reply) = in_flight.next().await else {
             break;
         };
-        let (deleted, kept) = reply?;
-        totals.0 += deleted;
-        totals.1 += kept;
+        let ((deleted, kept, deleted_at, absent_at), users) = reply?;
+        checked.deleted += deleted;
+        checked.kept += kept;
+        let at = |i: usize| users.get(i.wrapping_sub(1)).map(|u| (*u).clone());
+        checked
+            .deleted_users
+            .extend(deleted_at.into_iter().filter_map(at));
+        checked
+            .absent_users
+            .extend(absent_at.into_iter().filter_map(at));
     }
-    Ok(totals)
+    Ok(checked)
 }

@@ -29,16 +29,20 @@ impl Reconciler {
         let mut call = SWEEP_FORWARD.prepare_invoke();
         call.key(self.keys.registry())
             .key(self.keys.sweep())
-            .key(self.keys.servers())
-            .arg(self.settings.layout.as_str())
+            .key(self.keys.servers());
+        if let Some(stream) = self.keys.evictions() {
+            call.key(stream);
+        }
+        call.arg(self.settings.layout.as_str())
             .arg(self.settings.sweep_count)
             .arg(self.keys.prefix())
             .arg(self.cutoff_ms())
             .arg(pattern)
             .arg(cursor.unwrap_or(""));
-        let (next, scanned, removed): (String, u64, u64) =
+        let (next, scanned, removed, announced): (String, u64, u64, u64) =
             call.invoke_async(&mut self.conn.clone()).await?;
         self.metrics.drift_entries_removed.inc_by(removed);
+        self.metrics.observe_evictions(announced, removed);
         Ok((next, scanned, removed))
     }
 

@@ -206,7 +206,7 @@ impl Reconciler {
             // Fenced: declared dead for good, whatever its liveness key says.
             let dead = fenced || (!has_key && score.is_none_or(|s| s as u64 <= cutoff));
             if dead {
-                let (n, _) = crate::forward::check_delete(
+                let checked = crate::forward::check_delete(
                     &self.conn,
                     &self.keys,
                     self.settings.layout,
@@ -214,9 +214,28 @@ impl Reconciler {
                     users,
                 )
                 .await?;
-                removed += n;
+                removed += checked.deleted;
+                // After the deletes, in another slot: a crash in between loses this
+                // announcement (the README says so); the entries are gone either way.
+                self.announce_sweep(owner, &checked.deleted_users).await?;
             }
         }
         Ok(removed)
+    }
+
+    /// Announces the users whose entries of `owner` the cluster sweep deleted, retried
+    /// through transient states.
+    async fn announce_sweep(&self, owner: &ServerId, users: &[Vec<u8>]) -> Result<()> {
+        let entries = crate::evictions::announce_evicted(
+            &self.conn,
+            &self.keys,
+            owner,
+            "",
+            crate::evictions::Source::Sweep,
+            users,
+        )
+        .await?;
+        self.metrics.observe_evictions(entries, users.len() as u64);
+        Ok(())
     }
 }

@@ -6,15 +6,22 @@
 -- not an index still lists them (their reverse set may have been lost). Owner lookups
 -- are cached per step; the owner check and the delete are this one atomic script.
 --
--- KEYS[1] registry  KEYS[2] sweep hash (janitor's own)  KEYS[3] servers
+-- The users whose entry it deletes are announced on the evictions stream (KEYS[4],
+-- absent when switched off), one `users.evicted` per dead owner, source `sweep`, with an
+-- empty event_id (no `server.dead` caused it), in this same script.
+--
+-- KEYS[1] registry  KEYS[2] sweep hash (janitor's own)  KEYS[3] servers  KEYS[4] evictions
 -- ARGV[1] 'hash' or 'keys'  ARGV[2] COUNT  ARGV[3] key prefix  ARGV[4] cutoff (unix ms)
 -- ARGV[5] MATCH pattern of forward keys (layout keys)  ARGV[6] cursor, or '' for the stored one
--- Returns {next cursor, entries scanned, entries removed}
+-- Returns {next cursor, entries scanned, entries removed, evictions entries written}
 
 local registry_key, sweep_key, servers_key = KEYS[1], KEYS[2], KEYS[3]
 local hash_layout = ARGV[1] == 'hash'
 local prefix, cutoff = ARGV[3], tonumber(ARGV[4])
 local cursor = ARGV[6]
+local evictions = KEYS[4]
+local check = check_evictions_stream(evictions)
+if check then return check end
 if cursor == '' then cursor = redis.call('HGET', sweep_key, 'cursor') or '0' end
 
 local users, owners = {}, {}
@@ -55,15 +62,27 @@ local function is_dead(owner)
   return dead[owner]
 end
 
-local doomed = {}
+local doomed, by_owner, owner_order = {}, {}, {}
 for i = 1, #users do
   local owner = owners[i]
-  if owner and is_dead(owner) then doomed[#doomed + 1] = users[i] end
+  if owner and is_dead(owner) then
+    doomed[#doomed + 1] = users[i]
+    if not by_owner[owner] then
+      by_owner[owner] = {}
+      owner_order[#owner_order + 1] = owner
+    end
+    table.insert(by_owner[owner], users[i])
+  end
 end
 local removed = 0
 for first = 1, #doomed, BATCH do
   local batch = {unpack(doomed, first, math.min(first + BATCH - 1, #doomed))}
   removed = removed + delete_forward(batch, hash_layout, registry_key, prefix .. 'user:')
 end
+-- Every doomed entry was read in this script and deleted by it: announce them all.
+local announced = 0
+for _, owner in ipairs(owner_order) do
+  announced = announced + announce_evicted(evictions, owner, '', 'sweep', by_owner[owner])
+end
 redis.call('HSET', sweep_key, 'cursor', next_cursor)
-return {next_cursor, #users, removed}
+return {next_cursor, #users, removed, announced}

@@ -10,7 +10,7 @@
 //! | register     | register.lua    | fence check, forward entry, reverse-set member        |
 //! | heartbeat    | heartbeat.lua   | fence check, liveness key (PX), `servers` score        |
 //! | unregister   | unregister.lua  | forward entry if still ours, fence check, SREM        |
-//! | route        | route.lua       | the owner, unless fenced (entry deleted) or not alive |
+//! | route        | route.lua       | the owner, unless fenced or not alive (reads only)     |
 //! | (cluster)    | release.lua     | forward entry deleted only if it names the server     |
 //!
 //! Once a worker takes `server.dead` for S, S is fenced (`server:{S}:fenced`, see
@@ -34,7 +34,7 @@
 //! than the cleanup can land after it. What remains is the forward entry of a
 //! registration refused at its second step: `register` deletes it again (release.lua);
 //! if the connection server dies in between, the entry names a fenced owner, which
-//! `route` never returns (and deletes), and which the drift sweep removes.
+//! `route` never returns, and which the drift sweep removes (and announces).
 //!
 //! `register_legacy`, `add_register` and `register_many` write as a connection server of
 //! the original protocol does (MULTI HSET/SADD, no fence check): the janitor still cleans
@@ -302,9 +302,9 @@ impl Registry {
     }
 
     /// Where to route a message for `user` (route.lua): the owner, only if it is neither
-    /// fenced nor past its liveness (its liveness key expired); otherwise `None`. An entry
-    /// whose owner is fenced is deleted with the atomic check-and-delete. On a cluster, in
-    /// single-slot steps: the owner, then its fence and liveness keys, then release.lua.
+    /// fenced nor past its liveness (its liveness key expired); otherwise `None`. It only
+    /// reads: the janitor deletes (and announces) an entry whose owner is fenced. On a
+    /// cluster, in two single-slot steps: the owner, then its fence and liveness keys.
     pub async fn route(&self, conn: &RedisConn, user: &[u8]) -> Result<Option<String>> {
         if !conn.is_cluster() {
             let mut call = ROUTE.prepare_invoke();
@@ -325,11 +325,7 @@ impl Registry {
             .exists(self.keys.server_alive(&server))
             .query_async(&mut conn.clone())
             .await?;
-        if fenced {
-            self.release(conn, user, &server).await?;
-            return Ok(None);
-        }
-        Ok(alive.then_some(owner))
+        Ok((alive && !fenced).then_some(owner))
     }
 
     /// The server a user's forward entry names, if any.

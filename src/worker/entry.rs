@@ -135,11 +135,16 @@ impl Worker {
     ) {
         let started = Instant::now();
         let metrics = &self.metrics;
+        let origin = crate::cleanup::EventRef {
+            entry: &entry.id,
+            event_id: &event.event_id,
+        };
         let cleaning =
             self.cleaner
-                .clean_event(&self.conn, server, Some(&entry.id), abandon, |step| {
+                .clean_event(&self.conn, server, Some(origin), abandon, |step| {
                     metrics.entries_deleted.inc_by(step.deleted);
                     metrics.entries_kept.inc_by(step.kept);
+                    metrics.observe_evictions(step.announced, step.announced_users);
                 });
         let cleaned = tokio::select! {
             r = cleaning => r,

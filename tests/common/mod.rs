@@ -106,7 +106,7 @@ impl Fixture {
     pub fn on(redis: RedisServer, layout: Layout, adjust: impl FnOnce(&mut Settings)) -> Self {
         let mut settings = settings(&redis, layout);
         adjust(&mut settings);
-        let keys = Keys::new(settings.key_prefix.clone());
+        let keys = Keys::for_settings(&settings);
         Fixture {
             conn: connect(&settings),
             registry: Registry::new(keys.clone(), settings.layout),

@@ -114,7 +114,7 @@ pub async fn run(settings: &Settings, options: &Options) -> Result<Summary> {
     let (mut settings, _private) = local_redis(settings).await?;
     settings.key_prefix = format!("{}janitor-demo:{}:", settings.key_prefix, ulid::Ulid::new());
     let conn = conn::shared(&conn::client_for(&settings)?)?;
-    let keys = Keys::new(settings.key_prefix.clone());
+    let keys = Keys::for_settings(&settings);
     eprintln!(
         "demo keys live under `{}` and are deleted at the end",
         keys.prefix()

@@ -1,0 +1,104 @@
+
+-- The evictions stream (see evictions/mod.rs): one `users.evicted` entry per 1,000 users
+-- deleted, written in the same script as their deletes, so that on one node a user is
+-- announced exactly when their entry is deleted. The payload is a MessagePack map with
+-- named keys, encoded here by hand: Redis' cmsgpack cannot write the binary type that
+-- user ids (any bytes) need.
+
+local EVICTED_PER_ENTRY = 1000
+
+-- `n` (0 <= n < 2^53) as `width` big-endian bytes.
+local function mp_be(n, width)
+  local out = {}
+  for i = width, 1, -1 do
+    out[i] = string.char(n % 256)
+    n = math.floor(n / 256)
+  end
+  return table.concat(out)
+end
+
+local function mp_uint(n)
+  if n < 128 then return string.char(n) end
+  if n < 256 then return '\204' .. mp_be(n, 1) end
+  if n < 65536 then return '\205' .. mp_be(n, 2) end
+  if n < 4294967296 then return '\206' .. mp_be(n, 4) end
+  return '\207' .. mp_be(n, 8)
+end
+
+local function mp_str(s)
+  local n = #s
+  if n < 32 then return string.char(160 + n) .. s end
+  if n < 256 then return '\217' .. mp_be(n, 1) .. s end
+  if n < 65536 then return '\218' .. mp_be(n, 2) .. s end
+  return '\219' .. mp_be(n, 4) .. s
+end
+
+local function mp_bin(s)
+  local n = #s
+  if n < 256 then return '\196' .. mp_be(n, 1) .. s end
+  if n < 65536 then return '\197' .. mp_be(n, 2) .. s end
+  return '\198' .. mp_be(n, 4) .. s
+end
+
+local function mp_array_header(n)
+  if n < 16 then return string.char(144 + n) end
+  if n < 65536 then return '\220' .. mp_be(n, 2) end
+  return '\221' .. mp_be(n, 4)
+end
+
+-- A map of string keys (fewer than 16) to values already encoded.
+local function mp_map(pairs_)
+  local out = {string.char(128 + #pairs_ / 2)}
+  for i = 1, #pairs_, 2 do
+    out[#out + 1] = mp_str(pairs_[i])
+    out[#out + 1] = pairs_[i + 1]
+  end
+  return table.concat(out)
+end
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- Refuses a step before any write when the evictions stream's key holds another type:
+-- an XADD failing after the deletes would leave them unannounced.
+local function check_evictions_stream(stream)
+  if stream and stream ~= '' then
+    local t = redis.call('TYPE', stream)
+    t = type(t) == 'table' and t.ok or t
+    if t ~= 'none' and t ~= 'stream' then
+      return redis.error_reply('WRONGTYPE the evictions stream ' .. stream .. ' holds a ' .. t .. ', not a stream')
+    end
+  end
+end
+
+-- XADDs `users.evicted` entries for `users` (deleted by this script), 1,000 per entry.
+-- Returns the number of entries written.
+local function announce_evicted(stream, server, event_id, source, users)
+  if not stream or stream == '' or #users == 0 then return 0 end
+  local at = mp_uint(now_ms())
+  local entries = 0
+  for first = 1, #users, EVICTED_PER_ENTRY do
+    local last = math.min(first + EVICTED_PER_ENTRY - 1, #users)
+    local list = {mp_array_header(last - first + 1)}
+    for i = first, last do list[#list + 1] = mp_bin(users[i]) end
+    local payload = mp_map({
+      'v', mp_uint(1), 'source', mp_str(source), 'server_id', mp_str(server),
+      'event_id', mp_str(event_id), 'users', table.concat(list), 'evicted_at_ms', at,
+    })
+    redis.call('XADD', stream, '*', 'type', 'users.evicted', 'payload', payload)
+    entries = entries + 1
+  end
+  return entries
+end
+
+-- XADDs the `server.cleaned` entry of a finished cleanup.
+local function announce_cleaned(stream, server, event_id, deleted, kept)
+  if not stream or stream == '' then return end
+  local payload = mp_map({
+    'v', mp_uint(1), 'server_id', mp_str(server), 'event_id', mp_str(event_id),
+    'deleted', mp_uint(deleted), 'kept', mp_uint(kept), 'cleaned_at_ms', mp_uint(now_ms()),
+  })
+  redis.call('XADD', stream, '*', 'type', 'server.cleaned', 'payload', payload)
+end

@@ -1,0 +1,274 @@
+//! The evictions stream: who lost their forward entry, for the rest of the stack.
+//!
+//! Presence, room membership, per-node session sets and the like also hold the users of a
+//! dead server. The janitor knows, at each atomic delete, exactly which users lost their
+//! entry, and publishes that on `registry:evictions` (under `key_prefix`; the name and
+//! the switch are the settings `evictions_stream` and `evictions`), so that those systems
+//! react without a scan of their own:
+//!
+//! - `users.evicted`: the users one cleanup step (or one drift-sweep step) deleted, at
+//!   most [`MAX_USERS_PER_ENTRY`] per entry, with the server, the `server.dead`'s
+//!   `event_id` and a `source` (`cleanup` or `sweep`);
+//! - `server.cleaned`: once per acknowledged `server.dead`, with the cleanup's totals.
+//!
+//! Each entry has the fields `type` and `payload`, a MessagePack map with named keys
+//! (user ids as binary strings: they may be any bytes), like the events stream. On one
+//! node the entry is written by the very script that deletes (announce.lua, the Lua
+//! prelude of the cleanup and sweep scripts): a user is announced exactly once, exactly
+//! when their entry is deleted. On a cluster the stream is in another slot than the
+//! entries, so the announcement follows the deletes ([`announce_evicted`]) and the
+//! guarantee is at least once: a repeated chunk announces again the members whose entry
+//! is already gone (see `cleanup/cluster.rs`).
+//!
+//! Retention is the events stream's (maintenance/trim_stream.lua): entries older than
+//! `retention_ms` go, never one that a consumer group has not read or acknowledged; a
+//! stream no group reads is trimmed by age alone.
+
+use serde::Serialize;
+
+use crate::{conn::RedisConn, error::Result, event::ServerId, keys::Keys};
+
+/// Users in one `users.evicted` entry at most (a bigger step writes several entries).
+pub const MAX_USERS_PER_ENTRY: usize = 1000;
+/// The payloads' schema version.
+pub const VERSION: u64 = 1;
+
+/// Who deleted the entries of a `users.evicted`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Source {
+    /// The cleanup of a `server.dead`.
+    Cleanup,
+    /// The reconciler's drift sweep (entries of a dead owner that no index listed).
+    Sweep,
+}
+
+impl Source {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Source::Cleanup => "cleanup",
+            Source::Sweep => "sweep",
+        }
+    }
+}
+
+/// One entry of the evictions stream, decoded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Eviction {
+    Evicted {
+        source: Option<String>,
+        server_id: String,
+        event_id: String,
+        users: Vec<Vec<u8>>,
+        evicted_at_ms: u64,
+    },
+    Cleaned {
+        server_id: String,
+        event_id: String,
+        deleted: u64,
+        kept: u64,
+        cleaned_at_ms: u64,
+    },
+}
+
+/// A `users.evicted` payload (MessagePack map with named keys, users as binary).
+pub fn evicted_payload(
+    server: &ServerId,
+    event_id: &str,
+    source: Source,
+    users: &[Vec<u8>],
+    at_ms: u64,
+) -> Vec<u8> {
+    use rmp::encode::*;
+    let mut out = Vec::with_capacity(96 + users.iter().map(|u| u.len() + 3).sum::<usize>());
+    let w = &mut out;
+    // Writing to a Vec cannot fail.
+    write_map_len(w, 6).expect("vec");
+    write_str(w, "v").expect("vec");
+    write_uint(w, VERSION).expect("vec");
+    write_str(w, "source").expect("vec");
+    write_str(w, source.as_str()).expect("vec");
+    write_str(w, "server_id").expect("vec");
+    write_str(w, server.as_str()).expect("vec");
+    write_str(w, "event_id").expect("vec");
+    write_str(w, event_id).expect("vec");
+    write_str(w, "users").expect("vec");
+    write_array_len(w, users.len() as u32).expect("vec");
+    for u in users {
+        write_bin(w, u).expect("vec");
+    }
+    write_str(w, "evicted_at_ms").expect("vec");
+    write_uint(w, at_ms).expect("vec");
+    out
+}
+
+/// A `server.cleaned` payload.
+pub fn cleaned_payload(
+    server: &ServerId,
+    event_id: &str,
+    deleted: u64,
+    kept: u64,
+    at_ms: u64,
+) -> Vec<u8> {
+    use rmp::encode::*;
+    let mut out = Vec::with_capacity(128);
+    let w = &mut out;
+    write_map_len(w, 6).expect("vec");
+    for (key, value) in [("v", None), ("server_id", Some(server.as_str()))] {
+        write_str(w, key).expect("vec");
+        match value {
+            None => write_uint(w, VERSION).map(|_| ()).expect("vec"),
+            Some(s) => write_str(w, s).expect("vec"),
+        }
+    }
+    write_str(w, "event_id").expect("vec");
+    write_str(w, event_id).expect("vec");
+    for (key, n) in [
+        ("deleted", deleted),
+        ("kept", kept),
+        ("cleaned_at_ms", at_ms),
+    ] {
+        write_str(w, key).expect("vec");
+        write_uint(w, n).expect("vec");
+    }
+    out
+}
+
+/// XADDs `users.evicted` entries for `users` (already deleted), [`MAX_USERS_PER_ENTRY`]
+/// per entry; a no-op when the stream is off. Returns the entries written. Used where
+/// the deletes and the stream cannot be one script (a cluster).
+pub async fn announce_evicted(
+    conn: &RedisConn,
+    keys: &Keys,
+    server: &ServerId,
+    event_id: &str,
+    source: Source,
+    users: &[Vec<u8>],
+) -> Result<u64> {
+    let Some(stream) = keys.evictions() else {
+        return Ok(0);
+    };
+    if users.is_empty() {
+        return Ok(0);
+    }
+    let at = crate::now_ms();
+    let mut pipe = redis::pipe();
+    let mut entries = 0;
+    for chunk in users.chunks(MAX_USERS_PER_ENTRY) {
+        pipe.cmd("XADD")
+            .arg(stream)
+            .arg(crate::keys::ids::AUTO)
+            .arg("type")
+            .arg("users.evicted")
+            .arg("payload")
+            .arg(evicted_payload(server, event_id, source, chunk, at))
+            .ignore();
+        entries += 1;
+    }
+    let () = pipe.query_async(&mut conn.clone()).await?;
+    Ok(entries)
+}
+
+/// XADDs the `server.cleaned` entry of a finished cleanup (a no-op when the stream is off).
+pub async fn announce_cleaned(
+    conn: &RedisConn,
+    keys: &Keys,
+    server: &ServerId,
+    event_id: &str,
+    deleted: u64,
+    kept: u64,
+) -> Result<()> {
+    let Some(stream) = keys.evictions() else {
+        return Ok(());
+    };
+    let () = redis::cmd("XADD")
+        .arg(stream)
+        .arg(crate::keys::ids::AUTO)
+        .arg("type")
+        .arg("server.cleaned")
+        .arg("payload")
+        .arg(cleaned_payload(
+            server,
+            event_id,
+            deleted,
+            kept,
+            crate::now_ms(),
+        ))
+        .query_async(&mut conn.clone())
+        .await?;
+    Ok(())
+}
+
+/// Decodes one entry's `type` and `payload`; `None` for another type or a payload that is
+/// not one of ours.
+pub fn decode(kind: &str, payload: &[u8]) -> Option<Eviction> {
+    let value = rmpv::decode::read_value(&mut &payload[..]).ok()?;
+    let map = value.as_map()?;
+    let get = |name: &str| {
+        map.iter()
+            .find(|(k, _)| k.as_str() == Some(name))
+            .map(|(_, v)| v)
+    };
+    let text = |name: &str| get(name).and_then(|v| v.as_str()).map(str::to_owned);
+    let number = |name: &str| get(name).and_then(|v| v.as_u64());
+    match kind {
+        "users.evicted" => Some(Eviction::Evicted {
+            source: text("source"),
+            server_id: text("server_id")?,
+            event_id: text("event_id")?,
+            users: get("users")?
+                .as_array()?
+                .iter()
+                .map(|u| match u {
+                    rmpv::Value::Binary(b) => Some(b.clone()),
+                    _ => None,
+                })
+                .collect::<Option<Vec<_>>>()?,
+            evicted_at_ms: number("evicted_at_ms")?,
+        }),
+        "server.cleaned" => Some(Eviction::Cleaned {
+            server_id: text("server_id")?,
+            event_id: text("event_id")?,
+            deleted: number("deleted")?,
+            kept: number("kept")?,
+            cleaned_at_ms: number("cleaned_at_ms")?,
+        }),
+        _ => None,
+    }
+}
+
+/// Every entry of the evictions stream, in order, decoded (`None` for entries that are
+/// not ours). For the demo, status and tests: it reads the whole stream.
+pub async fn read_all(conn: &RedisConn, keys: &Keys) -> Result<Vec<(String, Option<Eviction>)>> {
+    let Some(stream) = keys.evictions() else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::new();
+    let mut start = "-".to_owned();
+    loop {
+        let reply: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+            .arg(stream)
+            .arg(&start)
+            .arg("+")
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(&mut conn.clone())
+            .await?;
+        let n = reply.ids.len();
+        for entry in reply.ids {
+            let field = |name: &str| match entry.map.get(name) {
+                Some(redis::Value::BulkString(b)) => Some(b.clone()),
+                _ => None,
+            };
+            let decoded = match (field("type"), field("payload")) {
+                (Some(kind), Some(payload)) => decode(&String::from_utf8_lossy(&kind), &payload),
+                _ => None,
+            };
+            start = format!("({}", entry.id);
+            out.push((entry.id, decoded));
+        }
+        if n < 1000 {
+            return Ok(out);
+        }
+    }
+}
