@@ -61,7 +61,7 @@ impl Status {
 /// Collects the status from the Redis of `settings`.
 pub async fn collect(settings: &Settings) -> Result<Status> {
     let conn = conn::shared_for(&conn::target_for(settings)?).await?;
-    let keys = Keys::for_settings(&settings);
+    let keys = Keys::for_settings(settings);
     let mut status = collect_from(&conn, &keys).await?;
     status.servers_dead =
         Some(crate::reconcile::count_dead(&conn, &keys, settings.heartbeat_grace_ms).await?);

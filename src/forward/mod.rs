@@ -76,7 +76,7 @@ pub async fn check_delete(
             > = std::collections::HashMap::new();
             for u in users {
                 by_slot
-                    .entry(redis::cluster_routing::Slot::for_key(&keys.user(u)))
+                    .entry(redis::cluster_routing::Slot::for_key(keys.user(u)))
                     .or_default()
                     .push(u);
             }

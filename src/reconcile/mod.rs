@@ -155,7 +155,7 @@ impl Reconciler {
             target => (None, conn::shared_for(&target).await?),
         };
         Ok(Reconciler {
-            keys: Keys::for_settings(&settings),
+            keys: Keys::for_settings(settings),
             conn,
             client,
             settings: settings.clone(),

@@ -68,7 +68,7 @@ impl Worker {
     /// yet; on a cluster it connects to learn the slot map.
     pub async fn new(settings: &Settings, metrics: Metrics) -> Result<Self> {
         let target = conn::target_for(settings)?;
-        let keys = Keys::for_settings(&settings);
+        let keys = Keys::for_settings(settings);
         Ok(Worker {
             cleaner: Cleaner::new(
                 keys.clone(),
