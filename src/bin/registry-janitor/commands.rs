@@ -92,7 +92,7 @@ pub async fn emit(settings: &Settings, event: EmitEvent) -> anyhow::Result<()> {
     let event = ServerDead::new(&server, reason, Some(source));
     event.validate().context("the event")?;
     let conn = conn::shared_for(&conn::target_for(settings)?).await?;
-    let keys = Keys::for_settings(&settings);
+    let keys = Keys::for_settings(settings);
     let id = stream::publish_event(&conn, &keys, &event.encode())
         .await
         .with_context(|| format!("publishing to {}", conn::redact_url(&settings.redis_url)))?;
@@ -109,7 +109,7 @@ pub async fn status(settings: &Settings, json: bool) -> anyhow::Result<()> {
 /// `dead-letters list|replay|purge`.
 pub async fn dead_letters(settings: &Settings, action: DeadLettersAction) -> anyhow::Result<()> {
     let conn = conn::shared_for(&conn::target_for(settings)?).await?;
-    let keys = Keys::for_settings(&settings);
+    let keys = Keys::for_settings(settings);
     match action {
         DeadLettersAction::List { count, json } => {
             let letters = dead_letters::list(&conn, &keys, count).await?;
