@@ -48,7 +48,8 @@ async fn scanned(f: &Fixture, server: &ServerId) -> Option<u64> {
 }
 
 /// Several workers clean many servers while the test SIGKILLs them at random moments and
-/// starts new ones, and users reconnect elsewhere at the same time.
+/// starts new ones, and users reconnect elsewhere at the same time. The evictions stream
+/// announces every deleted user exactly once, and never a user whose entry was kept.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_sigkilled_workers_and_reconnecting_users() {
     let f = Fixture::with(Layout::Hash, |s| {
@@ -73,20 +74,16 @@ async fn chaos_sigkilled_workers_and_reconnecting_users() {
     let moving = Arc::new(AtomicBool::new(true));
     let moved_count = Arc::new(AtomicUsize::new(0));
     let mover = {
-        let (registry, conn, dead, live) = (
-            f.registry.clone(),
-            f.conn.clone(),
-            dead.clone(),
-            live.clone(),
-        );
+        let (keys, conn, dead, live) = (f.keys.clone(), f.conn.clone(), dead.clone(), live.clone());
         let (moving, moved_count) = (moving.clone(), moved_count.clone());
         tokio::spawn(async move {
             let mut moved = Vec::new();
             let mut n = 0;
             while moving.load(Ordering::Relaxed) && n < USERS {
                 for s in &dead {
-                    registry.register(&conn, &user(s, n), &live).await.unwrap();
-                    moved.push((s.clone(), n));
+                    let u = user(s, n);
+                    let was = reconnect_telling(&conn, &keys, Layout::Hash, &u, &live).await;
+                    moved.push((s.clone(), n, was));
                 }
                 moved_count.fetch_add(dead.len(), Ordering::Relaxed);
                 n += 11;
@@ -132,13 +129,29 @@ async fn chaos_sigkilled_workers_and_reconnecting_users() {
         USERS,
         "live server's entries lost"
     );
-    for (s, n) in &moved {
+    for (s, n, _) in &moved {
         assert_eq!(
             f.owner(&user(s, *n)).await.as_deref(),
             Some(live.as_str()),
             "moved user lost"
         );
     }
+    // Deleted: every user of a dead server but those whose reconnect found the entry
+    // still naming the dead server (those were kept).
+    let (announced, cleaned) = evictions(&f).await;
+    for s in &dead {
+        let kept: std::collections::HashSet<Vec<u8>> = moved
+            .iter()
+            .filter(|(d, _, was)| d == s && was.as_deref() == Some(s.as_str()))
+            .map(|(_, n, _)| user(s, *n))
+            .collect();
+        let deleted = (0..USERS)
+            .map(|n| user(s, n))
+            .filter(|u| !kept.contains(u))
+            .collect();
+        assert_announced_exactly_once(&announced, s, &deleted);
+    }
+    assert_eq!(cleaned.len(), dead.len(), "one server.cleaned per event");
     assert_eq!(unfinished(&f, &dead).await, 0, "reverse sets gone");
     assert!(f.dead_letters().await.is_empty(), "nothing dead-lettered");
     assert!(

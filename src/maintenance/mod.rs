@@ -1,7 +1,9 @@
-//! Periodic upkeep of the events stream, run by every worker (duplicates are harmless:
+//! Periodic upkeep of the streams, run by every worker (duplicates are harmless:
 //! each job is one atomic script):
-//! - retention: trims acknowledged entries older than `retention_ms`, never an entry some
-//!   group has not acknowledged or not yet read (plain MAXLEN trimming could drop those);
+//! - retention: trims acknowledged entries older than `retention_ms` off the events stream
+//!   and the evictions stream, never an entry some group has not acknowledged or not yet
+//!   read (plain MAXLEN trimming could drop those); an evictions stream that no group
+//!   reads is trimmed by age alone;
 //! - consumers: removes group consumers idle for `consumer_expiry_ms` with nothing pending.
 
 use std::{sync::LazyLock, time::Duration};
@@ -22,13 +24,20 @@ static TRIM_STREAM: LazyLock<redis::Script> =
 static EXPIRE_CONSUMERS: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(include_str!("expire_consumers.lua")));
 
-/// Trims entries that every group has acknowledged and that are older than `retention`.
-/// Returns how many were removed.
+/// Trims entries that every group has acknowledged and that are older than `retention`
+/// off the events stream and the evictions stream. Returns how many were removed.
 pub async fn trim_acknowledged(conn: &RedisConn, keys: &Keys, retention: Duration) -> Result<u64> {
     let cutoff = crate::now_ms().saturating_sub(retention.as_millis() as u64);
-    let mut call = TRIM_STREAM.prepare_invoke();
-    call.key(keys.events()).arg(format!("{cutoff}-0"));
-    Ok(call.invoke_async(&mut conn.clone()).await?)
+    let mut removed = 0;
+    let streams = [(keys.events(), "groups")]
+        .into_iter()
+        .chain(keys.evictions().map(|s| (s.to_owned(), "age")));
+    for (stream, groupless) in streams {
+        let mut call = TRIM_STREAM.prepare_invoke();
+        call.key(stream).arg(format!("{cutoff}-0")).arg(groupless);
+        removed += call.invoke_async::<u64>(&mut conn.clone()).await?;
+    }
+    Ok(removed)
 }
 
 /// Removes consumers idle for at least `idle` with nothing pending; returns their names.
@@ -51,7 +60,7 @@ pub async fn run(conn: RedisConn, keys: Keys, settings: Settings, shutdown: Canc
     let expiry = Duration::from_millis(settings.consumer_expiry_ms);
     // One line when a job starts failing and one when it works again, not one per
     // interval. Upkeep can wait: its failures do not make the worker unready.
-    let mut trimming = Episode::new("trimming the events stream", None);
+    let mut trimming = Episode::new("trimming the streams", None);
     let mut expiring = Episode::new("removing gone consumers", None);
     loop {
         // Jitter, so that many workers started together do not run in step.
@@ -66,7 +75,7 @@ pub async fn run(conn: RedisConn, keys: Keys, settings: Settings, shutdown: Canc
                 if n > 0 {
                     info!(
                         removed = n,
-                        "trimmed acknowledged entries off the events stream"
+                        "trimmed acknowledged entries off the events and evictions streams"
                     );
                 }
             }

@@ -1,4 +1,5 @@
--- Trims acknowledged entries off the events stream, never one a group still needs.
+-- Trims acknowledged entries off a stream (the events stream, the evictions stream),
+-- never one a group still needs.
 --
 -- For every consumer group on the stream, an entry is still needed if it is pending
 -- (delivered, not acknowledged) or not yet delivered (after the group's
@@ -6,9 +7,12 @@
 -- later than ARGV[1] (entries younger than the retention time are kept for inspection).
 -- XTRIM MINID removes only entries older than the trim point. Exact trimming: events
 -- are rare, and approximate ('~') trimming may never remove a small stream's only node.
--- A stream that no group reads is left alone.
+-- A stream that no group reads is left alone (the events stream: its entries wait for the
+-- workers' group), or trimmed by age alone with ARGV[2] = 'age' (the evictions stream:
+-- nobody may ever read it).
 --
--- KEYS[1] events stream; ARGV[1] "<unix ms>-0", the newest id old enough to trim.
+-- KEYS[1] the stream; ARGV[1] "<unix ms>-0", the newest id old enough to trim;
+-- ARGV[2] 'age' to trim a stream without groups by age, anything else to leave it.
 -- Returns the number of entries removed.
 
 local function parse(id)
@@ -31,7 +35,7 @@ end
 
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 local groups = redis.call('XINFO', 'GROUPS', KEYS[1])
-if #groups == 0 then return 0 end
+if #groups == 0 and ARGV[2] ~= 'age' then return 0 end
 
 local bound = ARGV[1]
 for _, group in ipairs(groups) do

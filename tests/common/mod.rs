@@ -601,3 +601,108 @@ pub fn heartbeat_until_fenced(
         }
     })
 }
+
+/// A reconnect that also tells what it replaced: the user's forward entry is set to `to`
+/// (and the user joins `to`'s reverse set) atomically with reading the previous owner.
+/// The oracle of the evictions tests: a previous owner of `None` means the janitor had
+/// deleted the entry (so it must announce the user), the dead server means the entry was
+/// still there (kept: it must never announce the user).
+pub async fn reconnect_telling(
+    conn: &RedisConn,
+    keys: &Keys,
+    layout: Layout,
+    user: &[u8],
+    to: &ServerId,
+) -> Option<String> {
+    static MOVE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+        redis::Script::new(
+            r"
+            local old
+            if ARGV[3] == 'hash' then
+              old = redis.call('HGET', KEYS[1], ARGV[1])
+              redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+            else
+              old = redis.call('GET', KEYS[1])
+              redis.call('SET', KEYS[1], ARGV[2])
+            end
+            redis.call('SADD', KEYS[2], ARGV[1])
+            return old",
+        )
+    });
+    let forward = match layout {
+        Layout::Hash => keys.registry().into_bytes(),
+        Layout::Keys => keys.user(user),
+    };
+    let mut call = MOVE.prepare_invoke();
+    call.key(forward)
+        .key(keys.server_users(to))
+        .arg(user)
+        .arg(to.as_str())
+        .arg(layout.as_str());
+    call.invoke_async(&mut conn.clone()).await.unwrap()
+}
+
+/// Every `users.evicted` of the evictions stream: (server_id, user) in stream order,
+/// duplicates kept; and the `server.cleaned` entries.
+pub async fn evictions(
+    f: &Fixture,
+) -> (
+    Vec<(String, Vec<u8>)>,
+    Vec<registry_janitor::evictions::Eviction>,
+) {
+    use registry_janitor::evictions::Eviction;
+    let (mut evicted, mut cleaned) = (Vec::new(), Vec::new());
+    for (id, entry) in registry_janitor::evictions::read_all(&f.conn, &f.keys)
+        .await
+        .unwrap()
+    {
+        match entry {
+            Some(Eviction::Evicted {
+                server_id, users, ..
+            }) => {
+                assert!(
+                    users.len() <= registry_janitor::evictions::MAX_USERS_PER_ENTRY,
+                    "{id}: {} users in one entry",
+                    users.len()
+                );
+                evicted.extend(users.into_iter().map(|u| (server_id.clone(), u)));
+            }
+            Some(c @ Eviction::Cleaned { .. }) => cleaned.push(c),
+            None => panic!("entry {id} of the evictions stream does not decode"),
+        }
+    }
+    (evicted, cleaned)
+}
+
+/// Asserts that the users announced as evicted from `server` are exactly `expected`, each
+/// once (the single-node guarantee).
+pub fn assert_announced_exactly_once(
+    announced: &[(String, Vec<u8>)],
+    server: &ServerId,
+    expected: &std::collections::HashSet<Vec<u8>>,
+) {
+    let mut seen = std::collections::HashMap::<&[u8], usize>::new();
+    for (s, u) in announced {
+        if s == server.as_str() {
+            *seen.entry(u).or_default() += 1;
+        }
+    }
+    let twice: Vec<_> = seen.iter().filter(|(_, n)| **n > 1).take(5).collect();
+    assert!(
+        twice.is_empty(),
+        "{server}: announced more than once: {twice:?}"
+    );
+    let missing = expected
+        .iter()
+        .filter(|u| !seen.contains_key(u.as_slice()))
+        .count();
+    let extra = seen.keys().filter(|u| !expected.contains(**u)).count();
+    assert_eq!(
+        (missing, extra),
+        (0, 0),
+        "{server}: {missing} deleted users never announced, {extra} announced users \
+         whose entry was not deleted ({} expected, {} announced)",
+        expected.len(),
+        seen.len()
+    );
+}
