@@ -42,6 +42,25 @@ pub struct Status {
     /// The window, in ms, within which a refused write counts as "writing now" (the
     /// `heartbeat_grace_ms`).
     pub writing_window_ms: u64,
+    /// The evictions stream, unless switched off.
+    pub evictions: Option<EvictionsStatus>,
+}
+
+/// The evictions stream: its length and how far each consumer group is behind.
+#[derive(Debug, Clone, Serialize)]
+pub struct EvictionsStatus {
+    pub stream: String,
+    pub length: u64,
+    pub groups: Vec<EvictionsGroup>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct EvictionsGroup {
+    pub name: String,
+    /// Entries not yet delivered to the group (`None` where Redis cannot tell).
+    pub lag: Option<u64>,
+    /// Entries delivered and not acknowledged.
+    pub pending: u64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -72,7 +91,37 @@ pub async fn collect(settings: &Settings) -> Result<Status> {
         .fenced_still_writing
         .sort_by_key(|f| std::cmp::Reverse(f.last_refused_ms));
     status.writing_window_ms = settings.heartbeat_grace_ms;
+    if let Some(stream) = keys.evictions() {
+        status.evictions = Some(evictions_status(&conn, stream).await?);
+    }
     Ok(status)
+}
+
+/// The evictions stream's length and its groups' lag and pending entries.
+pub async fn evictions_status(conn: &RedisConn, stream: &str) -> Result<EvictionsStatus> {
+    let mut c = conn.clone();
+    let length: u64 = redis::cmd("XLEN").arg(stream).query_async(&mut c).await?;
+    let mut groups = Vec::new();
+    if exists(&mut c, stream).await? {
+        let infos: Vec<HashMap<String, Value>> = redis::cmd("XINFO")
+            .arg("GROUPS")
+            .arg(stream)
+            .query_async(&mut c)
+            .await?;
+        groups = infos
+            .iter()
+            .map(|g| EvictionsGroup {
+                name: text(g.get("name")),
+                lag: int(g.get("lag")),
+                pending: int(g.get("pending")).unwrap_or(0),
+            })
+            .collect();
+    }
+    Ok(EvictionsStatus {
+        stream: stream.to_owned(),
+        length,
+        groups,
+    })
 }
 
 pub async fn collect_from(conn: &RedisConn, keys: &Keys) -> Result<Status> {
@@ -101,6 +150,7 @@ pub async fn collect_from(conn: &RedisConn, keys: &Keys) -> Result<Status> {
         fenced: None,
         fenced_still_writing: Vec::new(),
         writing_window_ms: 0,
+        evictions: None,
     };
     if stream_length == 0 && !exists(&mut c, &keys.events()).await? {
         return Ok(status);

@@ -54,13 +54,21 @@ pub struct Summary {
     pub lost: u64,
     /// Forward entries the workers say they deleted.
     pub reported_deleted: u64,
+    /// `users.evicted` entries written, and the users in them (None: stream switched off).
+    pub evicted: Option<(u64, u64)>,
+    /// Of the users announced, those who reconnected after their eviction (their new
+    /// entry counts as kept above).
+    pub evicted_then_back: u64,
+    /// Announcements that do not match the deletes: a deleted user not announced, one
+    /// announced twice, or one announced whose entry was never deleted (must be 0).
+    pub evicted_wrong: u64,
     /// From the first event published to the last one acknowledged.
     pub elapsed: Duration,
 }
 
 impl Summary {
     pub fn verified(&self) -> bool {
-        self.stale == 0 && self.lost == 0
+        self.stale == 0 && self.lost == 0 && self.evicted_wrong == 0
     }
 }
 
@@ -92,6 +100,14 @@ impl fmt::Display for Summary {
             "  kept           {:>10}  users who had reconnected elsewhere ({} during the cleanup)",
             self.kept, self.moved_during
         )?;
+        if let Some((entries, users)) = self.evicted {
+            writeln!(
+                f,
+                "  evictions      {users:>10}  users announced in {entries} entries of the evictions stream \
+                 (= deleted + {} who came back after their eviction; {} wrong, must be 0)",
+                self.evicted_then_back, self.evicted_wrong
+            )?;
+        }
         writeln!(f, "  stale left     {:>10}  (must be 0)", self.stale)?;
         writeln!(f, "  live lost      {:>10}  (must be 0)", self.lost)?;
         writeln!(
@@ -203,7 +219,57 @@ async fn run_in(
     summary.dead = options.dead;
     summary.elapsed = elapsed;
     summary.reported_deleted = metrics.iter().map(|m| m.entries_deleted.get()).sum();
+    if registry.keys().evictions().is_some() {
+        check_evictions(&mut summary, &registry, conn, dead, options.users, &moved).await?;
+    }
     Ok(summary)
+}
+
+/// Checks the evictions stream against the registry's end state: every entry of a dead
+/// server that is gone was announced once; an announced user whose entry exists again
+/// must have reconnected (after the eviction); nobody is announced twice.
+async fn check_evictions(
+    summary: &mut Summary,
+    registry: &Registry,
+    conn: &RedisConn,
+    dead: &[ServerId],
+    users: usize,
+    moved: &HashMap<Vec<u8>, ServerId>,
+) -> Result<()> {
+    use registry_janitor::evictions::{read_all, Eviction};
+    let (mut entries, mut announced) = (0, HashMap::<(String, Vec<u8>), u64>::new());
+    for (_, entry) in read_all(conn, registry.keys()).await? {
+        if let Some(Eviction::Evicted {
+            server_id, users, ..
+        }) = entry
+        {
+            entries += 1;
+            for u in users {
+                *announced.entry((server_id.clone(), u)).or_default() += 1;
+            }
+        }
+    }
+    summary.evicted = Some((entries, announced.values().sum()));
+    summary.evicted_wrong = announced.values().filter(|n| **n > 1).count() as u64;
+    for server in dead {
+        for n in 0..users {
+            let user = user_id(server, n);
+            let was_announced = announced.contains_key(&(server.as_str().to_owned(), user.clone()));
+            let came_back = moved.contains_key(&user);
+            match (was_announced, came_back) {
+                (true, true) => summary.evicted_then_back += 1,
+                (true, false) | (false, true) => {}
+                // Gone (verify counts it deleted) but never announced.
+                (false, false) => summary.evicted_wrong += 1,
+            }
+        }
+    }
+    // Announced users whose entry was never deleted: announced, then found kept without
+    // having moved, cannot be; announced ones outside the dead servers' users neither.
+    let known: usize = dead.len() * users;
+    let extra = announced.len().saturating_sub(known);
+    summary.evicted_wrong += extra as u64;
+    Ok(())
 }
 
 fn user_id(server: &ServerId, n: usize) -> Vec<u8> {

@@ -115,6 +115,13 @@ impl fmt::Display for StatusText<'_> {
                 now.saturating_sub(last)
             )?;
         }
+        if let Some(ev) = &s.evictions {
+            writeln!(f, "evictions       {} ({} entries)", ev.stream, ev.length)?;
+            for g in &ev.groups {
+                let lag = g.lag.map_or("unknown".to_owned(), |l| l.to_string());
+                writeln!(f, "  group {:<34} lag {lag}, pending {}", g.name, g.pending)?;
+            }
+        }
         Ok(())
     }
 }
