@@ -122,6 +122,21 @@ async fn cleans_dead_servers_on_a_cluster(layout: Layout) {
         (0, None),
         "the reverse set and the `servers` entry are gone"
     );
+    // At least once on a cluster: every deleted user is announced; the one who had
+    // moved before (kept) never.
+    let (announced, cleaned) = evictions_of(&f.conn, &f.keys).await;
+    let announced: std::collections::HashSet<_> = announced.into_iter().collect();
+    for (s, range) in [(&a, 0..2_000), (&b, 0..2_000)] {
+        for n in range.filter(|n| (s, *n) != (&a, 7)) {
+            assert!(
+                announced.contains(&(s.as_str().to_owned(), user(s, n))),
+                "{s}: user {n} deleted and never announced"
+            );
+        }
+    }
+    assert!(!announced.contains(&(a.as_str().to_owned(), user(&a, 7))));
+    assert!(announced.iter().all(|(s, _)| s != live.as_str()));
+    assert_eq!(cleaned.len(), 2, "{cleaned:?}");
     worker.settled().await;
     assert_eq!(worker.metrics.events_with(outcome::CLEANED), 2);
     assert_eq!(worker.metrics.entries_deleted.get(), 3_999);
@@ -149,12 +164,27 @@ async fn reconnects_race_the_cleanup_on_a_cluster() {
     seed(&f.registry, &f.conn, &dead, USERS).await;
     let worker = spawn_worker(&f.settings);
     kill(&f.conn, &f.keys, &dead).await;
-    let (mut moved, mut during) = (Vec::new(), 0);
+    // A reconnect that reads what it replaced (one key: one slot), then joins the reverse
+    // set: the oracle of which users were kept.
+    let swap = redis::Script::new("return redis.call('SET', KEYS[1], ARGV[1], 'GET')");
+    let (mut moved, mut kept, mut during) = (Vec::new(), Vec::new(), 0);
     for n in (0..USERS).rev().step_by(5) {
-        f.registry
-            .register(&f.conn, &user(&dead, n), &live)
+        let u = user(&dead, n);
+        let was: Option<String> = swap
+            .key(f.keys.user(&u))
+            .arg(live.as_str())
+            .invoke_async(&mut f.conn.clone())
             .await
             .unwrap();
+        let _: () = redis::cmd("SADD")
+            .arg(f.keys.server_users(&live))
+            .arg(&u)
+            .query_async(&mut f.conn.clone())
+            .await
+            .unwrap();
+        if was.as_deref() == Some(dead.as_str()) {
+            kept.push(u);
+        }
         moved.push(n);
         let cleaner = registry_janitor::cleanup::Cleaner::new(f.keys.clone(), Layout::Keys, 1, 1);
         let exists = u64::from(cleaner.progress(&f.conn, &dead).await.unwrap().is_some());
@@ -177,6 +207,22 @@ async fn reconnects_race_the_cleanup_on_a_cluster() {
         );
     }
     assert_eq!(f.still_pointing(&dead, USERS).await, 0);
+    // Every user but the kept ones lost their entry to the janitor: each is announced at
+    // least once, the kept ones never.
+    let (announced, _) = evictions_of(&f.conn, &f.keys).await;
+    let announced: std::collections::HashSet<Vec<u8>> =
+        announced.into_iter().map(|(_, u)| u).collect();
+    let kept: std::collections::HashSet<Vec<u8>> = kept.into_iter().collect();
+    for n in 0..USERS {
+        let u = user(&dead, n);
+        assert_eq!(
+            announced.contains(&u),
+            !kept.contains(&u),
+            "user {n}: announced {}, kept {}",
+            announced.contains(&u),
+            kept.contains(&u)
+        );
+    }
     worker.stop().await;
 }
 
@@ -236,6 +282,18 @@ async fn a_master_killed_mid_cleanup_fails_over_and_the_cleanup_finishes() {
         still_pointing(&f.registry, &fresh, &live, 1_000).await,
         1_000,
         "live entries lost in the failover"
+    );
+    // At least once across the failover: every user of the dead server is announced
+    // (a lost announcement is made again by the walk that the epoch change repeats).
+    let (announced, _) = evictions_of(&fresh, &f.keys).await;
+    let announced: std::collections::HashSet<Vec<u8>> =
+        announced.into_iter().map(|(_, u)| u).collect();
+    let missing = (0..USERS)
+        .filter(|n| !announced.contains(&user(&dead, *n)))
+        .count();
+    assert_eq!(
+        missing, 0,
+        "deleted users never announced after the failover"
     );
     // No count of deletes or cleaned events is asserted: a delete that the failed master
     // executed and replicated but never answered is not counted, and a delivery the old

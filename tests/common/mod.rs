@@ -650,9 +650,20 @@ pub async fn evictions(
     Vec<(String, Vec<u8>)>,
     Vec<registry_janitor::evictions::Eviction>,
 ) {
+    evictions_of(&f.conn, &f.keys).await
+}
+
+/// [`evictions`] of any connection (a cluster's too).
+pub async fn evictions_of(
+    conn: &RedisConn,
+    keys: &Keys,
+) -> (
+    Vec<(String, Vec<u8>)>,
+    Vec<registry_janitor::evictions::Eviction>,
+) {
     use registry_janitor::evictions::Eviction;
     let (mut evicted, mut cleaned) = (Vec::new(), Vec::new());
-    for (id, entry) in registry_janitor::evictions::read_all(&f.conn, &f.keys)
+    for (id, entry) in registry_janitor::evictions::read_all(conn, keys)
         .await
         .unwrap()
     {
