@@ -398,3 +398,117 @@ async fn a_wrong_type_at_the_stream_name_refuses_the_step_before_any_delete() {
     let expected = (0..500).map(|n| user(&dead, n)).collect();
     assert_announced_exactly_once(&announced, &dead, &expected);
 }
+
+/// MessagePack -> the JSON equivalent that schemas/*.schema.json describe (binary as
+/// base64).
+fn json_of(v: &rmpv::Value) -> serde_json::Value {
+    use rmpv::Value as Mp;
+    use serde_json::Value as Json;
+    fn base64(bytes: &[u8]) -> String {
+        const ABC: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+        let mut out = String::new();
+        for chunk in bytes.chunks(3) {
+            let n =
+                chunk.iter().fold(0u32, |n, b| n << 8 | u32::from(*b)) << (8 * (3 - chunk.len()));
+            for i in 0..4 {
+                out.push(if i <= chunk.len() {
+                    ABC[(n >> (18 - 6 * i) & 63) as usize] as char
+                } else {
+                    '='
+                });
+            }
+        }
+        out
+    }
+    match v {
+        Mp::Integer(i) => Json::from(i.as_u64().expect("unsigned")),
+        Mp::String(s) => Json::String(s.as_str().expect("UTF-8").to_owned()),
+        Mp::Binary(b) => Json::String(base64(b)),
+        Mp::Array(items) => Json::Array(items.iter().map(json_of).collect()),
+        Mp::Map(pairs) => Json::Object(
+            pairs
+                .iter()
+                .map(|(k, v)| (k.as_str().expect("string keys").to_owned(), json_of(v)))
+                .collect(),
+        ),
+        other => panic!("not in the payloads: {other:?}"),
+    }
+}
+
+/// What the Lua step (one node) and the Rust encoder (cluster) write is valid per
+/// schemas/users-evicted.schema.json and schemas/server-cleaned.schema.json.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_encoders_write_what_the_schemas_describe() {
+    let evicted: serde_json::Value =
+        serde_json::from_str(include_str!("../schemas/users-evicted.schema.json")).unwrap();
+    let cleaned: serde_json::Value =
+        serde_json::from_str(include_str!("../schemas/server-cleaned.schema.json")).unwrap();
+    let (evicted, cleaned) = (
+        jsonschema::validator_for(&evicted).unwrap(),
+        jsonschema::validator_for(&cleaned).unwrap(),
+    );
+    assert_eq!(base64_check(), "YWxpY2U=");
+    let f = Fixture::new(Layout::Hash);
+    let dead = server("gw-7#1");
+    f.seed(&dead, 2_500).await;
+    f.registry
+        .register(&f.conn, b"\xff\x00\x01", &dead)
+        .await
+        .unwrap();
+    let worker = spawn_worker(&f.settings);
+    f.kill(&dead).await;
+    f.wait_idle().await;
+    worker.stop().await;
+    let raw: Vec<(String, Vec<(String, Vec<u8>)>)> = f
+        .query(
+            redis::cmd("XRANGE")
+                .arg(f.keys.evictions().unwrap())
+                .arg("-")
+                .arg("+"),
+        )
+        .await;
+    let mut payloads: Vec<(String, Vec<u8>)> = raw
+        .into_iter()
+        .map(|(_, fields)| {
+            let get = |n: &str| fields.iter().find(|(k, _)| k == n).unwrap().1.clone();
+            (String::from_utf8(get("type")).unwrap(), get("payload"))
+        })
+        .collect();
+    let kinds: Vec<&str> = payloads.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(kinds.last(), Some(&"server.cleaned"), "{kinds:?}");
+    assert!(
+        kinds.len() >= 4,
+        "2,501 users take 3 entries at least: {kinds:?}"
+    );
+    let users: Vec<Vec<u8>> = vec![b"alice".to_vec(), vec![0xff, 0, 1], vec![b'x'; 512]];
+    payloads.push((
+        "users.evicted".into(),
+        evictions::evicted_payload(&dead, "01J", evictions::Source::Sweep, &users, 1),
+    ));
+    payloads.push((
+        "server.cleaned".into(),
+        evictions::cleaned_payload(&dead, "01J", 5, 1, 2),
+    ));
+    for (kind, payload) in &payloads {
+        let value = rmpv::decode::read_value(&mut payload.as_slice()).unwrap();
+        let json = json_of(&value);
+        let validator = if kind == "users.evicted" {
+            &evicted
+        } else {
+            &cleaned
+        };
+        let errors: Vec<String> = validator
+            .iter_errors(&json)
+            .map(|e| e.to_string())
+            .collect();
+        assert!(errors.is_empty(), "{kind}: {errors:?}");
+        assert!(evictions::decode(kind, payload).is_some(), "{kind}");
+    }
+}
+
+fn base64_check() -> String {
+    match json_of(&rmpv::Value::Binary(b"alice".to_vec())) {
+        serde_json::Value::String(s) => s,
+        other => panic!("{other:?}"),
+    }
+}
