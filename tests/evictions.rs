@@ -459,7 +459,8 @@ async fn both_encoders_write_what_the_schemas_describe() {
     f.kill(&dead).await;
     f.wait_idle().await;
     worker.stop().await;
-    let raw: Vec<(String, Vec<(String, Vec<u8>)>)> = f
+    type Fields = Vec<(String, Vec<u8>)>;
+    let raw: Vec<(String, Fields)> = f
         .query(
             redis::cmd("XRANGE")
                 .arg(f.keys.evictions().unwrap())
