@@ -59,6 +59,8 @@ pub struct Metrics {
     /// Fenced servers that tried to write within `heartbeat_grace_ms`: a false positive
     /// or a zombie.
     pub fenced_servers_writing: IntGauge,
+    /// 1 while Redis answers PING, 0 while it does not (see [`crate::health::watch_redis`]).
+    pub redis_up: IntGauge,
     /// Refusals already counted, per fence and operation.
     fence_refusals_seen:
         std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, [u64; 3]>>>,
@@ -197,6 +199,13 @@ impl Metrics {
         ] {
             registry.register(c).expect("unique metric names");
         }
+        let redis_up = gauge(
+            "registry_janitor_redis_up",
+            "1 while Redis answers PING (checked every 5 s), 0 while it does not",
+        );
+        registry
+            .register(Box::new(redis_up.clone()))
+            .expect("unique metric names");
         for o in [
             outcome::CLEANED,
             outcome::IGNORED,
@@ -231,6 +240,7 @@ impl Metrics {
             fence_refused_writes,
             fenced_servers,
             fenced_servers_writing,
+            redis_up,
             fence_refusals_seen: Default::default(),
         }
     }
