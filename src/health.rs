@@ -5,6 +5,8 @@
 //! - [`Readiness`]: nothing of the process's work is failing on a transient Redis state,
 //!   Redis answers and, for a worker, its consumer can be registered in the group (a
 //!   write: refused under OOM, NOREPLICAS, MISCONF, READONLY).
+//! - [`watch_redis`]: the gauge `registry_janitor_redis_up`, from a PING every few
+//!   seconds, so that an alert can tell "Redis unreachable" without probing `/readyz`.
 
 use std::{
     collections::BTreeMap,
@@ -14,6 +16,8 @@ use std::{
     },
     time::Duration,
 };
+
+use tokio_util::sync::CancellationToken;
 
 use crate::{
     conn::RedisConn,
@@ -156,5 +160,28 @@ impl Failing {
     pub fn any(&self) -> Option<(String, String)> {
         let now = self.now.lock().expect("not poisoned");
         now.iter().next().map(|(w, (_, e))| (w.clone(), e.clone()))
+    }
+}
+
+/// How often [`watch_redis`] pings.
+pub const REDIS_UP_EVERY: Duration = Duration::from_secs(5);
+
+/// Sets `up` to 1 while Redis answers PING within 2 s (as `/readyz` asks it), 0 otherwise,
+/// every [`REDIS_UP_EVERY`] until `stop`. Run by the worker and the reconciler for the
+/// gauge `registry_janitor_redis_up`.
+pub async fn watch_redis(conn: RedisConn, up: prometheus::IntGauge, stop: CancellationToken) {
+    loop {
+        let mut c = conn.clone();
+        let cmd = redis::cmd("PING");
+        let ping = cmd.query_async::<String>(&mut c);
+        let answered = matches!(
+            tokio::time::timeout(Duration::from_secs(2), ping).await,
+            Ok(Ok(_))
+        );
+        up.set(i64::from(answered));
+        tokio::select! {
+            _ = tokio::time::sleep(REDIS_UP_EVERY) => {}
+            _ = stop.cancelled() => return,
+        }
     }
 }

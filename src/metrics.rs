@@ -63,6 +63,8 @@ pub struct Metrics {
     pub evictions_entries: IntCounter,
     /// Users announced in those entries.
     pub evictions_users: IntCounter,
+    /// 1 while Redis answers PING, 0 while it does not (see [`crate::health::watch_redis`]).
+    pub redis_up: IntGauge,
     /// Refusals already counted, per fence and operation.
     fence_refusals_seen:
         std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, [u64; 3]>>>,
@@ -211,6 +213,13 @@ impl Metrics {
         ] {
             registry.register(c).expect("unique metric names");
         }
+        let redis_up = gauge(
+            "registry_janitor_redis_up",
+            "1 while Redis answers PING (checked every 5 s), 0 while it does not",
+        );
+        registry
+            .register(Box::new(redis_up.clone()))
+            .expect("unique metric names");
         for o in [
             outcome::CLEANED,
             outcome::IGNORED,
@@ -247,6 +256,7 @@ impl Metrics {
             fenced_servers_writing,
             evictions_entries,
             evictions_users,
+            redis_up,
             fence_refusals_seen: Default::default(),
         }
     }

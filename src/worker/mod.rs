@@ -130,6 +130,13 @@ impl Worker {
             redis = %conn::redact_url(&this.settings.redis_url),
             "worker starting"
         );
+        let stop_ping = shutdown.child_token();
+        tokio::spawn(crate::health::watch_redis(
+            this.conn.clone(),
+            this.metrics.redis_up.clone(),
+            stop_ping.clone(),
+        ));
+        let _stop_ping = stop_ping.drop_guard();
 
         // Retried through every transient state (BUSY, OOM, NOREPLICAS, a refused
         // connection...): a deployment whose workers all start in one must not crash-loop.
