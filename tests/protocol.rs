@@ -3,7 +3,10 @@
 //! redis-server, and the Rust side checks what it wrote, that its routing agrees with
 //! [`Registry::route`], and that a real worker's fence reaches it at its next heartbeat.
 //!
-//! Needs python3 (3.11+) with the `redis` module (`PYTHON` names another interpreter).
+//! examples/evictions_consumer.py (redis-py, msgpack) keeps a presence index in step with
+//! the evictions stream that a real worker writes.
+//!
+//! Needs python3 (3.11+) with the `redis` and `msgpack` modules (`PYTHON` names another interpreter).
 //! Without them the tests are skipped with a message, unless `CI` is set: then they fail.
 
 mod common;
@@ -33,7 +36,7 @@ fn python() -> Option<String> {
     let usable = std::process::Command::new(&python)
         .args([
             "-c",
-            "import sys, redis; sys.exit(sys.version_info < (3, 11))",
+            "import sys, redis, msgpack; sys.exit(sys.version_info < (3, 11))",
         ])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -43,8 +46,9 @@ fn python() -> Option<String> {
         return Some(python);
     }
     let why = format!(
-        "{python} (3.11+) with the redis module is needed to run examples/connection_server.py \
-         (python3 -m pip install 'redis>=5,<7'; or set PYTHON to an interpreter that has it)"
+        "{python} (3.11+) with the redis and msgpack modules is needed to run examples/*.py \
+         (python3 -m pip install 'redis>=5,<7' 'msgpack>=1,<2'; or set PYTHON to an \
+         interpreter that has them)"
     );
     if std::env::var_os("CI").is_some_and(|v| !v.is_empty()) {
         panic!("CI is set: {why}");
@@ -220,16 +224,14 @@ async fn python_server_is_fenced_and_comes_back(layout: Layout) {
         f.registry.route(&f.conn, b"on-fenced-b").await.unwrap(),
         None
     );
-    assert_eq!(
-        f.owner(b"on-fenced-a").await,
-        None,
-        "deleted by Python's route"
-    );
-    assert_eq!(
-        f.owner(b"on-fenced-b").await,
-        None,
-        "deleted by Rust's route"
-    );
+    // Route only reads: the entries are the janitor's to delete, and to announce.
+    for u in ["on-fenced-a", "on-fenced-b"] {
+        assert_eq!(
+            f.owner(u.as_bytes()).await.as_deref(),
+            Some(fenced.as_str()),
+            "{u}"
+        );
+    }
 
     // A real worker takes server.dead for the Python server: fence first, then clean.
     let worker = spawn_worker(&f.settings);
@@ -307,4 +309,95 @@ async fn python_server_is_fenced_and_comes_back_hash_layout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_server_is_fenced_and_comes_back_keys_layout() {
     python_server_is_fenced_and_comes_back(Layout::Keys).await;
+}
+
+const CONSUMER: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/examples/evictions_consumer.py"
+);
+
+/// examples/evictions_consumer.py (the README's "Reacting to evictions"), run as a real
+/// process after a real worker cleaned a dead server: the dead server's users leave
+/// `presence:online` and their rooms; a user who came back after the eviction and the live
+/// server's users stay; everything read is acknowledged; a second run finds nothing to do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_evictions_consumer_keeps_presence_in_step() {
+    let Some(python) = python() else { return };
+    for layout in [Layout::Hash, Layout::Keys] {
+        let f = Fixture::new(layout);
+        let (dead, live) = (server("gw-dead#1"), server("gw-live#1"));
+        const USERS: usize = 2_500;
+        f.seed(&dead, USERS).await;
+        f.seed(&live, 100).await;
+        // What the presence service holds: every user online, each in two rooms.
+        let mut pipe = redis::pipe();
+        for (s, n) in [(&dead, USERS), (&live, 100)] {
+            for i in 0..n {
+                let u = user(s, i);
+                pipe.zadd("presence:online", &u, 1).ignore();
+                for room in [format!("r{}", i % 10), "lobby".to_owned()] {
+                    pipe.sadd(format!("room:{room}:members"), &u).ignore();
+                    let mut key = b"presence:rooms:".to_vec();
+                    key.extend_from_slice(&u);
+                    pipe.sadd(key, room).ignore();
+                }
+            }
+        }
+        let () = pipe.query_async(&mut f.conn.clone()).await.unwrap();
+        let worker = spawn_worker(&f.settings);
+        f.kill(&dead).await;
+        f.wait_idle().await;
+        worker.stop().await;
+        // One user comes back after the eviction: the consumer must leave them online.
+        let back = user(&dead, 3);
+        f.reconnect(&back, &live).await;
+
+        let run = || {
+            let mut cmd = std::process::Command::new(&python);
+            cmd.arg(CONSUMER)
+                .args(["--redis-url", &f.redis.url()])
+                .args(["--key-prefix", &f.settings.key_prefix])
+                .args(["--layout", layout.as_str(), "--once"]);
+            let out = cmd.output().unwrap();
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+        };
+        let summary = run();
+        assert_eq!(summary["evicted"], USERS - 1, "{layout:?}: {summary}");
+        assert_eq!(summary["skipped_back"], 1, "{layout:?}: {summary}");
+        assert_eq!(summary["cleaned"], 1, "{layout:?}: {summary}");
+
+        let online: Vec<Vec<u8>> = f
+            .query(redis::cmd("ZRANGE").arg("presence:online").arg(0).arg(-1))
+            .await;
+        let mut expected: Vec<Vec<u8>> = (0..100).map(|i| user(&live, i)).collect();
+        expected.push(back.clone());
+        let (mut online, mut expected) = (online, expected);
+        online.sort();
+        expected.sort();
+        assert_eq!(online, expected, "{layout:?}");
+        let lobby: Vec<Vec<u8>> = f
+            .query(redis::cmd("SMEMBERS").arg("room:lobby:members"))
+            .await;
+        let mut lobby = lobby;
+        lobby.sort();
+        assert_eq!(
+            lobby, expected,
+            "{layout:?}: the lobby keeps exactly who is online"
+        );
+        let pending: (u64, Option<String>, Option<String>, redis::Value) = f
+            .query(
+                redis::cmd("XPENDING")
+                    .arg(f.keys.evictions().unwrap())
+                    .arg("presence"),
+            )
+            .await;
+        assert_eq!(pending.0, 0, "{layout:?}: everything read was acknowledged");
+        // Idempotent and caught up: a second run has nothing to do.
+        assert_eq!(run()["entries"], 0, "{layout:?}");
+    }
 }
