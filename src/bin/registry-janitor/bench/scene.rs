@@ -112,7 +112,13 @@ pub(super) fn scene(
     users: usize,
     options: &Options,
 ) -> Scene {
-    let keys = Keys::new(format!("{root}{name}:"));
+    // The evictions stream as the settings have it (JANITOR_EVICTIONS=false measures the
+    // cleanup without it).
+    let keys = Keys::new(format!("{root}{name}:")).evictions_stream(
+        settings
+            .evictions
+            .then_some(settings.evictions_stream.as_str()),
+    );
     let moved_every = if options.moved_percent > 0.0 {
         (100.0 / options.moved_percent).round().max(1.0) as usize
     } else {
