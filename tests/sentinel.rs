@@ -293,3 +293,129 @@ async fn a_primary_killed_mid_cleanup_fails_over_and_the_cleanup_finishes() {
         "the worker's log does not show it following the primary:\n{log}"
     );
 }
+
+/// A planned failover (`SENTINEL FAILOVER`): both nodes stay up, the old primary becomes
+/// a replica. The reconciler moves its expiry-hint subscription to the new primary (a
+/// subscription left on a replica hears no expiries), and a server whose liveness key
+/// expires there is declared dead by that hint, long before the next periodic pass, and
+/// cleaned by the worker. A connection still pointing at the demoted node is answered
+/// READONLY once, and finds the new primary through the sentinels at the next command
+/// instead of retrying the old address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reconciler_and_a_demoted_connection_follow_a_planned_failover() {
+    let Some(f) = SentinelFixture::start(&["--notify-keyspace-events", "Ex"]).await else {
+        return;
+    };
+    let env = f.env();
+    let reconciler_metrics = free_addr();
+    let mut reconciler_env = env_refs(&env);
+    reconciler_env.extend([
+        // No periodic pass within the test: only an expiry hint can find the server.
+        ("JANITOR_RECONCILE_INTERVAL_MS", "600000"),
+        ("JANITOR_HEARTBEAT_GRACE_MS", "500"),
+        ("JANITOR_METRICS_ADDR", &reconciler_metrics),
+    ]);
+    let reconciler = WorkerProcess::start_command(&f.settings, &reconciler_env, &["reconcile"]);
+    let worker = WorkerProcess::start_with(&f.settings, &env_refs(&env));
+    let listening_on = |port: u16, log: &str| {
+        log.lines().any(|l| {
+            l.contains("listening for liveness-key expiries on the primary")
+                && l.contains(&format!("127.0.0.1:{port}"))
+        })
+    };
+    let (old, replica) = (0, 1);
+    let old_port = f.group.nodes[old].port();
+    f.wait(
+        "the reconciler subscribed on the primary",
+        Duration::from_secs(60),
+        || async { listening_on(old_port, &reconciler.log()) },
+    )
+    .await;
+
+    let _: () = redis::cmd("SENTINEL")
+        .arg("FAILOVER")
+        .arg(MASTER_NAME)
+        .query_async(
+            &mut conn::shared(&conn::client(&f.group.sentinels[0].url()).unwrap()).unwrap(),
+        )
+        .await
+        .unwrap();
+    let promoted = tokio::task::block_in_place(|| {
+        f.group
+            .wait_failover_from(old, Duration::from_secs(90))
+            .expect("the sentinels promote the replica")
+    });
+    assert_eq!(promoted, replica);
+    f.wait(
+        "the old primary is a replica",
+        Duration::from_secs(60),
+        || async { f.group.role(old).as_deref() == Some("slave") },
+    )
+    .await;
+    let new_port = f.group.nodes[replica].port();
+    f.wait(
+        "the reconciler subscribed on the new primary",
+        Duration::from_secs(60),
+        || async { listening_on(new_port, &reconciler.log()) },
+    )
+    .await;
+
+    // A server whose liveness key expires on the new primary.
+    let dead = server("gw-expired#1");
+    seed(&f.registry, &f.conn, &dead, 500).await;
+    f.registry.heartbeat(&f.conn, &dead, 1_000).await.unwrap();
+    f.wait(
+        "the expiry hint found the server and the worker cleaned it",
+        Duration::from_secs(90),
+        || async { still_pointing(&f.registry, &f.conn, &dead, 500).await == 0 },
+    )
+    .await;
+    f.wait_idle(&f.conn, Duration::from_secs(60)).await;
+    assert!(
+        counter(&reconciler_metrics, "registry_janitor_expiry_hints_total")
+            .is_some_and(|n| n >= 1.0),
+        "no expiry hint reached the reconciler; its log:\n{}",
+        reconciler.log()
+    );
+
+    // A connection at the demoted node: one READONLY, then the new primary.
+    let conn::Target::Sentinel(target) = conn::target_for(&f.settings).unwrap() else {
+        panic!("a Sentinel target");
+    };
+    let mut at_old = RedisConn::Sentinel(
+        conn::SentinelConn::starting_at(target, Duration::from_secs(5), "127.0.0.1", old_port)
+            .unwrap(),
+    );
+    let key = format!("{}probe", f.settings.key_prefix);
+    let first: redis::RedisResult<()> = redis::cmd("SET")
+        .arg(&key)
+        .arg("1")
+        .query_async(&mut at_old)
+        .await;
+    assert_eq!(
+        first.as_ref().err().and_then(|e| e.code()),
+        Some("READONLY"),
+        "{first:?}"
+    );
+    let _: () = redis::cmd("SET")
+        .arg(&key)
+        .arg("2")
+        .query_async(&mut at_old)
+        .await
+        .expect("the next command goes to the new primary");
+    let on_new = conn::shared(&conn::client(&f.group.nodes[replica].url()).unwrap()).unwrap();
+    let value: Option<String> = redis::cmd("GET")
+        .arg(&key)
+        .query_async(&mut on_new.clone())
+        .await
+        .unwrap();
+    assert_eq!(value.as_deref(), Some("2"));
+
+    for p in [&reconciler, &worker] {
+        p.signal("TERM");
+    }
+    let (status, log) = worker.wait(Duration::from_secs(30));
+    assert!(status.is_some_and(|s| s.success()), "worker: {log}");
+    let (status, log) = reconciler.wait(Duration::from_secs(30));
+    assert!(status.is_some_and(|s| s.success()), "reconciler: {log}");
+}

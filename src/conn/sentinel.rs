@@ -231,6 +231,30 @@ impl SentinelConn {
         }))
     }
 
+    /// For tests: a connection that starts at `host:port` as if the sentinels had named
+    /// it (for example a node demoted since), and looks the primary up again from there
+    /// like any other.
+    #[cfg(feature = "testkit")]
+    pub fn starting_at(
+        target: SentinelTarget,
+        response_timeout: Duration,
+        host: &str,
+        port: u16,
+    ) -> Result<Self> {
+        let conn = Self::new(target, response_timeout);
+        let client = conn.0.target.primary_client(host.to_owned(), port)?;
+        *conn.0.current.lock().expect("not poisoned") = Some(Primary {
+            conn: ConnectionManager::new_lazy_with_config(
+                client.clone(),
+                super::config(response_timeout),
+            )?,
+            client,
+            addr: format!("{host}:{port}"),
+            generation: 0,
+        });
+        Ok(conn)
+    }
+
     /// The client of the primary (for a Pub/Sub connection of its own), after checking
     /// with ROLE that it still is the primary; if it is not, it is dropped and the next
     /// command looks the primary up again.
@@ -381,8 +405,12 @@ impl SentinelConn {
             let mut primary = self.primary().await?;
             let reply =
                 redis::aio::ConnectionLike::req_packed_command(&mut primary.conn, cmd).await;
-            if let Err(e) = &reply {
-                self.failed(e, primary.generation);
+            match &reply {
+                Err(e) => self.failed(e, primary.generation),
+                Ok(v) if answered_by_replica(v) => {
+                    self.drop_primary(primary.generation, "it answered READONLY or MASTERDOWN")
+                }
+                Ok(_) => {}
             }
             reply
         })
@@ -403,8 +431,12 @@ impl SentinelConn {
                 count,
             )
             .await;
-            if let Err(e) = &reply {
-                self.failed(e, primary.generation);
+            match &reply {
+                Err(e) => self.failed(e, primary.generation),
+                Ok(values) if values.iter().any(answered_by_replica) => {
+                    self.drop_primary(primary.generation, "it answered READONLY or MASTERDOWN")
+                }
+                Ok(_) => {}
             }
             reply
         })
@@ -412,6 +444,17 @@ impl SentinelConn {
 
     pub(super) fn get_db(&self) -> i64 {
         self.0.target.0.primary.redis_settings().db()
+    }
+}
+
+/// True when a reply is (or holds, as the reply of EXEC does) a server error that only
+/// a replica gives. redis-rs passes server errors up as values: they become errors only
+/// where the reply is read.
+fn answered_by_replica(v: &redis::Value) -> bool {
+    match v {
+        redis::Value::ServerError(e) => matches!(e.code(), "READONLY" | "MASTERDOWN"),
+        redis::Value::Array(items) => items.iter().any(answered_by_replica),
+        _ => false,
     }
 }
 
@@ -453,6 +496,17 @@ mod tests {
         let refused: RedisError =
             std::io::Error::from(std::io::ErrorKind::ConnectionRefused).into();
         assert!(points_elsewhere(&refused));
+        let as_value =
+            |line: &str| redis::parse_redis_value(format!("-{line}\r\n").as_bytes()).unwrap();
+        let readonly = "READONLY You can't write against a read only replica.";
+        assert!(answered_by_replica(&as_value(readonly)));
+        assert!(answered_by_replica(&redis::Value::Array(vec![
+            redis::Value::Okay,
+            as_value(readonly),
+        ])));
+        assert!(!answered_by_replica(&as_value(
+            "BUSY Redis is busy running a script."
+        )));
         // States of a primary that pass: retried at the same address.
         for line in [
             "BUSY Redis is busy running a script.",
