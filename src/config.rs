@@ -78,6 +78,20 @@ pub struct Settings {
     /// More seed nodes of the cluster (URLs), tried when `redis_url` is down.
     #[serde(default)]
     pub redis_cluster_seeds: Vec<String>,
+    /// Redis Sentinel: the sentinels' URLs. With them, the primary is found through the
+    /// sentinels (and followed across failovers); `redis_url` gives credentials, database
+    /// and TLS, its host and port are not used.
+    #[serde(default)]
+    pub redis_sentinels: Vec<String>,
+    /// The name of the primary the sentinels monitor (`sentinel monitor <name> ...`).
+    #[serde(default)]
+    pub redis_sentinel_master: Option<String>,
+    /// User for the sentinels themselves (their own ACL), if they require one.
+    #[serde(default)]
+    pub redis_sentinel_username: Option<String>,
+    /// Password for the sentinels themselves (`JANITOR_REDIS_SENTINEL_PASSWORD`).
+    #[serde(default)]
+    pub redis_sentinel_password: Option<Secret>,
     /// Password overriding the URL's (`JANITOR_REDIS_PASSWORD`).
     #[serde(default)]
     pub redis_password: Option<Secret>,
@@ -328,6 +342,7 @@ impl Settings {
                 );
             }
         }
+        self.validate_sentinel()?;
         if self.redis_cluster && (self.tls_ca_file.is_some() || self.tls_cert_file.is_some()) {
             return bad(
                 "redis_cluster",
@@ -357,6 +372,108 @@ impl Settings {
             );
         }
         Ok(())
+    }
+
+    /// The Sentinel settings: all or none, not with a cluster, valid URLs.
+    fn validate_sentinel(&self) -> Result<()> {
+        fn bad(name: &'static str, reason: impl Into<String>) -> Result<()> {
+            Err(Error::Setting {
+                name: name.into(),
+                reason: reason.into(),
+            })
+        }
+        if self.redis_sentinels.is_empty() {
+            if self.redis_sentinel_master.is_some() {
+                return bad(
+                    "redis_sentinels",
+                    "redis_sentinel_master is set, but no sentinel is listed",
+                );
+            }
+            if self.redis_sentinel_username.is_some() || self.redis_sentinel_password.is_some() {
+                return bad(
+                    "redis_sentinels",
+                    "sentinel credentials are set, but no sentinel is listed",
+                );
+            }
+            return Ok(());
+        }
+        match self.redis_sentinel_master.as_deref() {
+            None => {
+                return bad(
+                    "redis_sentinel_master",
+                    "redis_sentinels is set: name the primary the sentinels monitor",
+                )
+            }
+            Some(name) if name.is_empty() || name.bytes().any(|b| !b.is_ascii_graphic()) => {
+                return bad(
+                    "redis_sentinel_master",
+                    "must be a non-empty name of printable ASCII, without spaces",
+                )
+            }
+            Some(_) => {}
+        }
+        if self.redis_cluster || !self.redis_cluster_seeds.is_empty() {
+            return bad(
+                "redis_sentinels",
+                "Sentinel and Redis Cluster exclude each other: set redis_sentinels or \
+                 redis_cluster (and redis_cluster_seeds), not both",
+            );
+        }
+        if !matches!(
+            redis::parse_redis_url(&self.redis_url)
+                .map(|u| u.scheme().to_owned())
+                .as_deref(),
+            Some("redis" | "rediss")
+        ) {
+            return bad(
+                "redis_url",
+                "with redis_sentinels, redis_url must be a redis:// or rediss:// URL (its \
+                 credentials, database and TLS are used for the primary)",
+            );
+        }
+        let mut credentials = std::collections::BTreeSet::new();
+        for url in &self.redis_sentinels {
+            let parsed = redis::parse_redis_url(url);
+            let Some(parsed) = parsed.filter(|u| matches!(u.scheme(), "redis" | "rediss")) else {
+                return bad(
+                    "redis_sentinels",
+                    format!("not a redis:// or rediss:// URL: {}", redact_url(url)),
+                );
+            };
+            if parsed.host_str().is_none_or(str::is_empty) {
+                return bad("redis_sentinels", format!("no host in {}", redact_url(url)));
+            }
+            let db = parsed.path().trim_start_matches('/');
+            if !db.is_empty() && db != "0" {
+                return bad(
+                    "redis_sentinels",
+                    format!(
+                        "a sentinel has no databases (the database is redis_url's): {}",
+                        redact_url(url)
+                    ),
+                );
+            }
+            credentials.insert((
+                parsed.username().to_owned(),
+                parsed.password().map(str::to_owned),
+            ));
+        }
+        if credentials.len() > 1
+            && self.redis_sentinel_username.is_none()
+            && self.redis_sentinel_password.is_none()
+        {
+            return bad(
+                "redis_sentinels",
+                "the sentinel URLs carry different users or passwords; one set is used for \
+                 all sentinels: set redis_sentinel_username / redis_sentinel_password",
+            );
+        }
+        Ok(())
+    }
+
+    /// True when the primary is found through Redis Sentinel.
+    pub fn uses_sentinel(&self) -> bool {
+        !self.redis_sentinels.is_empty()
     }
 
     /// The Redis password: from `redis_password_file`, else `redis_password`, else none
@@ -489,6 +606,73 @@ mod tests {
         check(|s| s.fence_ttl_ms = s.heartbeat_grace_ms, "fence_ttl_ms");
         // Past what PEXPIRE takes, the fence would be left with no lifetime.
         check(|s| s.fence_ttl_ms = i64::MAX as u64, "fence_ttl_ms");
+    }
+
+    #[test]
+    fn sentinel_settings_go_together() {
+        let check = |f: fn(&mut Settings), name: &str| {
+            let mut s = Settings::defaults();
+            f(&mut s);
+            let err = s.validate().unwrap_err().to_string();
+            assert!(err.contains(&format!("`{name}`")), "{err}");
+        };
+        fn sentinels(s: &mut Settings) {
+            s.redis_sentinels = vec!["redis://127.0.0.1:26379".into()];
+        }
+        check(sentinels, "redis_sentinel_master");
+        check(
+            |s| s.redis_sentinel_master = Some("mymaster".into()),
+            "redis_sentinels",
+        );
+        check(
+            |s| s.redis_sentinel_password = Some(Secret("x".into())),
+            "redis_sentinels",
+        );
+        check(
+            |s| {
+                sentinels(s);
+                s.redis_sentinel_master = Some("mymaster".into());
+                s.redis_cluster = true;
+            },
+            "redis_sentinels",
+        );
+        check(
+            |s| {
+                sentinels(s);
+                s.redis_sentinel_master = Some("mymaster".into());
+                s.redis_cluster_seeds = vec!["redis://127.0.0.1:7000".into()];
+            },
+            "redis_sentinels",
+        );
+        check(
+            |s| {
+                s.redis_sentinels = vec!["http://127.0.0.1:26379".into()];
+                s.redis_sentinel_master = Some("mymaster".into());
+            },
+            "redis_sentinels",
+        );
+        check(
+            |s| {
+                sentinels(s);
+                s.redis_sentinel_master = Some("my master".into());
+            },
+            "redis_sentinel_master",
+        );
+        check(
+            |s| {
+                s.redis_sentinels = vec![
+                    "redis://:a@127.0.0.1:26379".into(),
+                    "redis://:b@127.0.0.1:26380".into(),
+                ];
+                s.redis_sentinel_master = Some("mymaster".into());
+            },
+            "redis_sentinels",
+        );
+        let mut ok = Settings::defaults();
+        sentinels(&mut ok);
+        ok.redis_sentinel_master = Some("mymaster".into());
+        ok.validate().unwrap();
+        assert!(ok.uses_sentinel());
     }
 
     #[test]

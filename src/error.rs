@@ -119,6 +119,10 @@ pub fn redis_error_is_retryable(e: &redis::RedisError) -> bool {
         redis::ErrorKind::ClusterConnectionNotFound => return true,
         // A reply that does not parse: the connection is replaced and the command retried.
         redis::ErrorKind::Parse => return true,
+        // Redis Sentinel names no valid primary: during a failover the old one is marked
+        // down and the new one is not promoted yet. (A wrong redis_sentinel_master looks
+        // the same, and is logged as failing, with this message, until it is fixed.)
+        redis::ErrorKind::MasterNameNotFoundBySentinel => return true,
         _ => {}
     }
     if let Some(inner) = e.clone().into_server_errors() {

@@ -14,6 +14,10 @@
 //! either): commands are routed by slot, and the code that touches several keys at once
 //! (scripts, MULTI, pipelines) takes the cluster's one-slot rule into account where
 //! [`RedisConn::is_cluster`] says so.
+//!
+//! With `redis_sentinels` both are [`SentinelConn`]s: one node, the primary the sentinels
+//! name, found again through them whenever it fails or answers READONLY (see
+//! `sentinel.rs`).
 
 use std::time::Duration;
 
@@ -29,7 +33,9 @@ use crate::{
 };
 
 mod cluster;
+mod sentinel;
 pub use cluster::{cluster_epoch, cluster_masters, node_client};
+pub use sentinel::{SentinelConn, SentinelTarget};
 
 /// Longest a short command may take before it counts as failed (and is retried).
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
@@ -45,7 +51,25 @@ pub fn client(url: &str) -> Result<redis::Client> {
 /// or `redis_password` if set, and the TLS files for a `rediss://` URL.
 pub fn client_for(settings: &Settings) -> Result<redis::Client> {
     install_crypto_provider();
-    let info = connection_info(settings)?;
+    client_with(connection_info(settings)?, tls_certificates(settings)?)
+}
+
+/// A client for `info`, with `certs` (the settings' TLS files) if any.
+fn client_with(
+    info: redis::ConnectionInfo,
+    certs: Option<redis::TlsCertificates>,
+) -> Result<redis::Client> {
+    let Some(certs) = certs else {
+        return Ok(redis::Client::open(info)?);
+    };
+    redis::Client::build_with_tls(info, certs).map_err(|e| Error::Setting {
+        name: "tls_ca_file".into(),
+        reason: format!("the TLS certificates could not be used: {e}"),
+    })
+}
+
+/// The TLS files of the settings (CA, client certificate and key), if any is set.
+fn tls_certificates(settings: &Settings) -> Result<Option<redis::TlsCertificates>> {
     let read = |name: &'static str, path: &std::path::Path| {
         std::fs::read(path).map_err(|e| Error::Setting {
             name: name.into(),
@@ -65,19 +89,12 @@ pub fn client_for(settings: &Settings) -> Result<redis::Client> {
         _ => None,
     };
     if root_cert.is_none() && client_tls.is_none() {
-        return Ok(redis::Client::open(info)?);
+        return Ok(None);
     }
-    redis::Client::build_with_tls(
-        info,
-        redis::TlsCertificates {
-            client_tls,
-            root_cert,
-        },
-    )
-    .map_err(|e| Error::Setting {
-        name: "tls_ca_file".into(),
-        reason: format!("the TLS certificates could not be used: {e}"),
-    })
+    Ok(Some(redis::TlsCertificates {
+        client_tls,
+        root_cert,
+    }))
 }
 
 /// Commands in flight at once on a cluster, where they cannot be pipelined.
@@ -228,12 +245,13 @@ fn config(response_timeout: Duration) -> ConnectionManagerConfig {
         .set_number_of_retries(2)
 }
 
-/// A connection to one Redis node, or to a Redis Cluster. Cheap to clone: clones share
-/// the underlying multiplexed connection.
+/// A connection to one Redis node, to a Redis Cluster, or to the primary that Redis
+/// Sentinel names. Cheap to clone: clones share the underlying multiplexed connection.
 #[derive(Clone)]
 pub enum RedisConn {
     Single(ConnectionManager),
     Cluster(ClusterConnection),
+    Sentinel(SentinelConn),
 }
 
 impl RedisConn {
@@ -249,6 +267,7 @@ impl redis::aio::ConnectionLike for RedisConn {
         match self {
             RedisConn::Single(c) => c.req_packed_command(cmd),
             RedisConn::Cluster(c) => c.req_packed_command(cmd),
+            RedisConn::Sentinel(c) => c.req_packed_command(cmd),
         }
     }
 
@@ -261,6 +280,7 @@ impl redis::aio::ConnectionLike for RedisConn {
         match self {
             RedisConn::Single(c) => c.req_packed_commands(cmd, offset, count),
             RedisConn::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+            RedisConn::Sentinel(c) => c.req_packed_commands(cmd, offset, count),
         }
     }
 
@@ -268,21 +288,32 @@ impl redis::aio::ConnectionLike for RedisConn {
         match self {
             RedisConn::Single(c) => c.get_db(),
             RedisConn::Cluster(c) => c.get_db(),
+            RedisConn::Sentinel(c) => c.get_db(),
         }
     }
 }
 
-/// Where to connect: one node, or the seed nodes of a cluster.
+/// Where to connect: one node, the seed nodes of a cluster, or the sentinels.
 #[derive(Clone)]
 // Built once at start-up: the size difference of the variants does not matter.
 #[allow(clippy::large_enum_variant)]
 pub enum Target {
     Single(redis::Client),
     Cluster(redis::cluster::ClusterClient),
+    Sentinel(SentinelTarget),
 }
 
-/// The target the settings describe (see [`client_for`]; a cluster when `redis_cluster`).
+/// The target the settings describe (see [`client_for`]; a cluster when `redis_cluster`,
+/// the sentinels' primary when `redis_sentinels`).
 pub fn target_for(settings: &Settings) -> Result<Target> {
+    if settings.uses_sentinel() {
+        install_crypto_provider();
+        return Ok(Target::Sentinel(SentinelTarget::new(
+            settings,
+            connection_info(settings)?,
+            tls_certificates(settings)?,
+        )?));
+    }
     if !settings.redis_cluster {
         return Ok(Target::Single(client_for(settings)?));
     }
@@ -304,6 +335,10 @@ pub async fn shared_for(target: &Target) -> Result<RedisConn> {
     match target {
         Target::Single(client) => shared(client),
         Target::Cluster(client) => Ok(RedisConn::Cluster(client.get_async_connection().await?)),
+        Target::Sentinel(target) => Ok(RedisConn::Sentinel(SentinelConn::new(
+            target.clone(),
+            COMMAND_TIMEOUT,
+        ))),
     }
 }
 
@@ -319,6 +354,10 @@ pub async fn blocking_for(target: &Target, block: Duration) -> Result<RedisConn>
                 client.get_async_connection_with_config(config).await?,
             ))
         }
+        Target::Sentinel(target) => Ok(RedisConn::Sentinel(SentinelConn::new(
+            target.clone(),
+            block + COMMAND_TIMEOUT,
+        ))),
     }
 }
 
@@ -339,3 +378,21 @@ pub fn blocking(client: &redis::Client, block: Duration) -> Result<RedisConn> {
 }
 
 pub use crate::config::redact_url;
+
+/// Where the settings point, for logs: `redis_url` (password hidden), or the sentinels
+/// and the master's name.
+pub fn describe(settings: &Settings) -> String {
+    if !settings.uses_sentinel() {
+        return redact_url(&settings.redis_url);
+    }
+    let sentinels: Vec<String> = settings
+        .redis_sentinels
+        .iter()
+        .map(|u| redact_url(u))
+        .collect();
+    format!(
+        "master {} of sentinels {}",
+        settings.redis_sentinel_master.as_deref().unwrap_or(""),
+        sentinels.join(",")
+    )
+}

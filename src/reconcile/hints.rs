@@ -10,6 +10,10 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use super::{Reconciler, Verdict, HINT_CHECKS};
+
+/// Behind Redis Sentinel, how often the expiry-hint subscription checks that it listens
+/// on the primary.
+const FOLLOW_EVERY: Duration = Duration::from_secs(2);
 use crate::{
     conn::{self, RedisConn},
     event::ServerId,
@@ -24,7 +28,53 @@ impl Reconciler {
             let db = client.get_connection_info().redis_settings().db();
             return self.subscribe_hints(client, db, shutdown).await;
         }
+        if let RedisConn::Sentinel(primary) = self.conn.clone() {
+            return self.hint_loop_on_sentinel(primary, shutdown).await;
+        }
         self.hint_loop_on_cluster(shutdown).await
+    }
+
+    /// Behind Redis Sentinel: one subscription, on the current primary. Every
+    /// [`FOLLOW_EVERY`] the primary is checked (ROLE, through the connection that looks it
+    /// up again through the sentinels when it is lost or demoted); when another node is
+    /// the primary, the subscription moves there. A subscription left on a demoted primary
+    /// would hear nothing: replicas do not expire keys themselves.
+    pub(super) async fn hint_loop_on_sentinel(
+        self: Arc<Self>,
+        primary: conn::SentinelConn,
+        shutdown: CancellationToken,
+    ) {
+        let db = self.conn_db();
+        let mut known: Option<String> = None;
+        let mut subscription = CancellationToken::new();
+        loop {
+            match primary.primary_client().await {
+                Ok(client) => {
+                    let addr = client.get_connection_info().addr().to_string();
+                    if known.as_deref() != Some(addr.as_str()) {
+                        subscription.cancel();
+                        subscription = shutdown.child_token();
+                        tokio::spawn(self.clone().subscribe_hints(
+                            client,
+                            db,
+                            subscription.clone(),
+                        ));
+                        info!(primary = %addr, "listening for liveness-key expiries on the primary");
+                        known = Some(addr);
+                    }
+                }
+                Err(e) => debug!(error = %e, "finding the primary for expiry hints failed"),
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(FOLLOW_EVERY) => {}
+                _ = shutdown.cancelled() => return,
+            }
+        }
+    }
+
+    /// The database of the connection (keyspace notifications are per database).
+    fn conn_db(&self) -> i64 {
+        redis::aio::ConnectionLike::get_db(&self.conn)
     }
 
     /// One subscription per master; when the set of masters changes (a failover, a

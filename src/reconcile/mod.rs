@@ -127,7 +127,8 @@ impl std::fmt::Display for OnceReport {
 pub struct Reconciler {
     settings: Settings,
     keys: Keys,
-    /// The single node's client, for the expiry-hint subscription; None on a cluster.
+    /// The single node's client, for the expiry-hint subscription; None on a cluster and
+    /// behind Sentinel (the subscription follows the primary there).
     client: Option<redis::Client>,
     conn: RedisConn,
     metrics: Metrics,
@@ -215,7 +216,7 @@ impl Reconciler {
     pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
         let this = Arc::new(self);
         info!(
-            redis = %conn::redact_url(&this.settings.redis_url),
+            redis = %conn::describe(&this.settings),
             interval_ms = this.settings.reconcile_interval_ms,
             grace_ms = this.settings.heartbeat_grace_ms,
             "reconciler starting"

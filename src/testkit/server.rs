@@ -180,7 +180,7 @@ impl Drop for RedisServer {
     }
 }
 
-fn free_port() -> Result<u16> {
+pub(super) fn free_port() -> Result<u16> {
     let listener =
         TcpListener::bind("127.0.0.1:0").map_err(|e| Error::io("finding a free port", e))?;
     listener

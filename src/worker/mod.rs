@@ -127,7 +127,7 @@ impl Worker {
         info!(
             consumer = %this.consumer,
             stream = %this.keys.events(),
-            redis = %conn::redact_url(&this.settings.redis_url),
+            redis = %conn::describe(&this.settings),
             "worker starting"
         );
         let stop_ping = shutdown.child_token();

@@ -1,0 +1,521 @@
+//! Redis Sentinel: a connection to the primary that the sentinels name, found again
+//! through them whenever it is lost.
+//!
+//! A [`SentinelConn`] holds a [`ConnectionManager`] for the primary it last resolved. A
+//! command that fails in a way that says "this is not the primary any more" drops it:
+//! - the connection failed (refused, reset, timed out): the primary died or is cut off;
+//! - the node answered READONLY (or MASTERDOWN): it was demoted to replica by a failover,
+//!   and a reconnect to the same address would only reach the replica again.
+//!
+//! The failing command returns its error (every caller retries transient errors, see
+//! `crate::retry`); the next command asks the sentinels for the primary again
+//! (redis-rs's `SentinelClient`: `SENTINEL MASTERS` on each sentinel, then `ROLE` on the
+//! node named, which must say master). One lookup runs at a time per connection, and
+//! lookups that fail are spaced by a capped backoff: during a failover the sentinels
+//! still name the dead primary, or none, for a few seconds.
+
+use std::{
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc, Mutex,
+    },
+    time::Duration,
+};
+
+use redis::{
+    aio::ConnectionManager,
+    sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType},
+    ConnectionAddr, RedisError, RedisFuture, RedisResult, TlsMode,
+};
+use tokio::time::Instant;
+use tracing::{info, warn};
+
+use crate::{
+    config::Settings,
+    error::{Error, Result},
+};
+
+/// Longest one lookup through the sentinels may take (each sentinel asked, the primary
+/// checked with ROLE) before it counts as failed.
+const LOOKUP_TIMEOUT: Duration = Duration::from_secs(10);
+/// Backoff between failed lookups: from this...
+const LOOKUP_MIN_DELAY: Duration = Duration::from_millis(100);
+/// ...doubling to at most this.
+const LOOKUP_MAX_DELAY: Duration = Duration::from_secs(2);
+
+/// What a connection through the sentinels needs: the sentinels, the master's name, the
+/// sentinels' credentials, and the primary's credentials, database and TLS (those of
+/// `redis_url`). Cheap to clone.
+#[derive(Clone)]
+pub struct SentinelTarget(Arc<TargetInner>);
+
+struct TargetInner {
+    sentinels: Vec<ConnectionAddr>,
+    master: String,
+    sentinel_username: Option<String>,
+    sentinel_password: Option<String>,
+    /// `redis_url` with the password override: its host and port are replaced by the
+    /// primary's.
+    primary: redis::ConnectionInfo,
+    /// The settings' TLS files, for the primary (and for `rediss://` sentinels).
+    certs: Option<redis::TlsCertificates>,
+}
+
+impl SentinelTarget {
+    /// From validated settings; `primary` is `redis_url` with its password override.
+    pub(super) fn new(
+        settings: &Settings,
+        primary: redis::ConnectionInfo,
+        certs: Option<redis::TlsCertificates>,
+    ) -> Result<Self> {
+        let bad = |reason: String| Error::Setting {
+            name: "redis_sentinels".into(),
+            reason,
+        };
+        let mut sentinels = Vec::new();
+        let (mut url_user, mut url_password) = (None, None);
+        for url in &settings.redis_sentinels {
+            let info = redis::IntoConnectionInfo::into_connection_info(url.as_str())
+                .map_err(|e| bad(format!("{}: {e}", crate::config::redact_url(url))))?;
+            let redis = info.redis_settings();
+            url_user = url_user.or(redis.username().map(str::to_owned));
+            url_password = url_password.or(redis.password().map(str::to_owned));
+            sentinels.push(info.addr().clone());
+        }
+        let sentinel_username = settings.redis_sentinel_username.clone().or(url_user);
+        let sentinel_password = settings
+            .redis_sentinel_password
+            .as_ref()
+            .map(|p| p.expose().to_owned())
+            .or(url_password);
+        let target = SentinelTarget(Arc::new(TargetInner {
+            sentinels,
+            master: settings
+                .redis_sentinel_master
+                .clone()
+                .expect("validated: redis_sentinel_master goes with redis_sentinels"),
+            sentinel_username,
+            sentinel_password,
+            primary,
+            certs,
+        }));
+        // Refuses at start what redis-rs would refuse at each lookup (TLS files with a
+        // sentinel that is not rediss://, for one).
+        target
+            .sentinel_client()
+            .map_err(|e| bad(format!("the sentinels cannot be used: {e}")))?;
+        Ok(target)
+    }
+
+    /// The master's name.
+    pub fn master(&self) -> &str {
+        &self.0.master
+    }
+
+    /// A redis-rs client that asks the sentinels for the primary and checks it.
+    fn sentinel_client(&self) -> RedisResult<SentinelClient> {
+        let t = &self.0;
+        let mut b = SentinelClientBuilder::new(
+            t.sentinels.iter().cloned(),
+            &t.master,
+            SentinelServerType::Master,
+        )?;
+        if let Some(user) = &t.sentinel_username {
+            b = b.set_client_to_sentinel_username(user);
+        }
+        if let Some(password) = &t.sentinel_password {
+            b = b.set_client_to_sentinel_password(password);
+        }
+        let tls_sentinels = t
+            .sentinels
+            .iter()
+            .any(|a| matches!(a, ConnectionAddr::TcpTls { .. }));
+        if let (true, Some(certs)) = (tls_sentinels, &t.certs) {
+            b = b.set_client_to_sentinel_certificates(certs.clone());
+        }
+        let redis = t.primary.redis_settings();
+        b = b
+            .set_client_to_redis_db(redis.db())
+            .set_client_to_redis_protocol(redis.protocol());
+        if let Some(user) = redis.username() {
+            b = b.set_client_to_redis_username(user);
+        }
+        if let Some(password) = redis.password() {
+            b = b.set_client_to_redis_password(password);
+        }
+        if let ConnectionAddr::TcpTls { insecure, .. } = t.primary.addr() {
+            b = b.set_client_to_redis_tls_mode(if *insecure {
+                TlsMode::Insecure
+            } else {
+                TlsMode::Secure
+            });
+            if let Some(certs) = &t.certs {
+                b = b.set_client_to_redis_certificates(certs.clone());
+            }
+        }
+        b.build()
+    }
+
+    /// The client for the primary at `host:port`: `redis_url`'s credentials, database
+    /// and TLS, as on a single node (see [`super::client_for`]).
+    fn primary_client(&self, host: String, port: u16) -> Result<redis::Client> {
+        let t = &self.0;
+        let addr = match t.primary.addr() {
+            ConnectionAddr::TcpTls { insecure, .. } => ConnectionAddr::TcpTls {
+                host,
+                port,
+                insecure: *insecure,
+                tls_params: None,
+            },
+            _ => ConnectionAddr::Tcp(host, port),
+        };
+        super::client_with(t.primary.clone().set_addr(addr), t.certs.clone())
+    }
+}
+
+/// The primary as last resolved.
+#[derive(Clone)]
+struct Primary {
+    conn: ConnectionManager,
+    client: redis::Client,
+    /// `host:port`, for logs.
+    addr: String,
+    /// Which lookup found it: a failure drops the primary only if no newer lookup has
+    /// replaced it meanwhile.
+    generation: u64,
+}
+
+/// A connection to the primary that the sentinels name; see the module docs. Cheap to
+/// clone: clones share the connection and the lookups.
+#[derive(Clone)]
+pub struct SentinelConn(Arc<ConnInner>);
+
+struct ConnInner {
+    target: SentinelTarget,
+    response_timeout: Duration,
+    current: Mutex<Option<Primary>>,
+    /// Failed lookups so far; a caller that waited while a lookup failed gets its error
+    /// instead of starting another one at once.
+    failures: AtomicU64,
+    lookup: tokio::sync::Mutex<Lookup>,
+}
+
+/// The state of the lookups (one at a time).
+struct Lookup {
+    client: Option<SentinelClient>,
+    generation: u64,
+    last_error: Option<RedisError>,
+    next_attempt: Option<Instant>,
+    delay: Duration,
+    /// The address of the last primary found, to log a change once.
+    last_addr: Option<String>,
+}
+
+impl SentinelConn {
+    /// A connection whose commands may take up to `response_timeout`. Lazy: nothing is
+    /// asked of the sentinels until the first command.
+    pub fn new(target: SentinelTarget, response_timeout: Duration) -> Self {
+        SentinelConn(Arc::new(ConnInner {
+            target,
+            response_timeout,
+            current: Mutex::new(None),
+            failures: AtomicU64::new(0),
+            lookup: tokio::sync::Mutex::new(Lookup {
+                client: None,
+                generation: 0,
+                last_error: None,
+                next_attempt: None,
+                delay: LOOKUP_MIN_DELAY,
+                last_addr: None,
+            }),
+        }))
+    }
+
+    /// For tests: a connection that starts at `host:port` as if the sentinels had named
+    /// it (for example a node demoted since), and looks the primary up again from there
+    /// like any other.
+    #[cfg(feature = "testkit")]
+    pub fn starting_at(
+        target: SentinelTarget,
+        response_timeout: Duration,
+        host: &str,
+        port: u16,
+    ) -> Result<Self> {
+        let conn = Self::new(target, response_timeout);
+        let client = conn.0.target.primary_client(host.to_owned(), port)?;
+        *conn.0.current.lock().expect("not poisoned") = Some(Primary {
+            conn: ConnectionManager::new_lazy_with_config(
+                client.clone(),
+                super::config(response_timeout),
+            )?,
+            client,
+            addr: format!("{host}:{port}"),
+            generation: 0,
+        });
+        Ok(conn)
+    }
+
+    /// The client of the primary (for a Pub/Sub connection of its own), after checking
+    /// with ROLE that it still is the primary; if it is not, it is dropped and the next
+    /// command looks the primary up again.
+    pub async fn primary_client(&self) -> Result<redis::Client> {
+        let mut primary = self.primary().await?;
+        let role: RedisResult<redis::Value> =
+            redis::cmd("ROLE").query_async(&mut primary.conn).await;
+        let role = match role {
+            Ok(role) => role,
+            Err(e) => {
+                self.failed(&e, primary.generation);
+                return Err(e.into());
+            }
+        };
+        let is_master = matches!(&role, redis::Value::Array(items)
+            if matches!(items.first(), Some(redis::Value::BulkString(b)) if b == b"master"));
+        if !is_master {
+            self.drop_primary(primary.generation, "it is no longer the primary (ROLE)");
+            return Err(Error::Redis(RedisError::from((
+                redis::ErrorKind::Io,
+                "the primary was demoted; asking the sentinels again",
+            ))));
+        }
+        Ok(primary.client)
+    }
+
+    /// The current primary, looked up through the sentinels if there is none.
+    async fn primary(&self) -> RedisResult<Primary> {
+        if let Some(p) = self.current() {
+            return Ok(p);
+        }
+        let failures_seen = self.0.failures.load(Ordering::Acquire);
+        let mut lookup = self.0.lookup.lock().await;
+        if let Some(p) = self.current() {
+            return Ok(p);
+        }
+        if self.0.failures.load(Ordering::Acquire) != failures_seen {
+            if let Some(e) = &lookup.last_error {
+                return Err(e.clone());
+            }
+        }
+        if let Some(at) = lookup.next_attempt {
+            tokio::time::sleep_until(at).await;
+        }
+        let found = tokio::time::timeout(LOOKUP_TIMEOUT, self.look_up(&mut lookup))
+            .await
+            .unwrap_or_else(|_| {
+                Err(RedisError::from(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "no answer from the sentinels in time",
+                )))
+            });
+        match found {
+            Ok((client, host, port)) => {
+                let addr = format!("{host}:{port}");
+                let conn = ConnectionManager::new_lazy_with_config(
+                    client.clone(),
+                    super::config(self.0.response_timeout),
+                )?;
+                lookup.generation += 1;
+                let primary = Primary {
+                    conn,
+                    client,
+                    addr: addr.clone(),
+                    generation: lookup.generation,
+                };
+                if lookup.last_addr.as_deref() != Some(addr.as_str()) {
+                    info!(master = %self.0.target.master(), primary = %addr, "the sentinels name the primary");
+                    lookup.last_addr = Some(addr);
+                }
+                lookup.next_attempt = None;
+                lookup.delay = LOOKUP_MIN_DELAY;
+                lookup.last_error = None;
+                *self.0.current.lock().expect("not poisoned") = Some(primary.clone());
+                Ok(primary)
+            }
+            Err(e) => {
+                // A lookup that failed may have left a sentinel connection half used.
+                lookup.client = None;
+                lookup.next_attempt = Some(Instant::now() + lookup.delay);
+                lookup.delay = (lookup.delay * 2).min(LOOKUP_MAX_DELAY);
+                lookup.last_error = Some(e.clone());
+                self.0.failures.fetch_add(1, Ordering::AcqRel);
+                Err(e)
+            }
+        }
+    }
+
+    /// One lookup: the primary's client, host and port.
+    async fn look_up(&self, lookup: &mut Lookup) -> RedisResult<(redis::Client, String, u16)> {
+        if lookup.client.is_none() {
+            lookup.client = Some(self.0.target.sentinel_client()?);
+        }
+        let client = lookup.client.as_mut().expect("just set");
+        let found = client.async_get_client().await?;
+        let (host, port) = match found.get_connection_info().addr() {
+            ConnectionAddr::Tcp(host, port) | ConnectionAddr::TcpTls { host, port, .. } => {
+                (host.clone(), *port)
+            }
+            other => {
+                return Err(RedisError::from((
+                    redis::ErrorKind::InvalidClientConfig,
+                    "the sentinels named a primary that is not a TCP address",
+                    format!("{other:?}"),
+                )))
+            }
+        };
+        let client = self
+            .0
+            .target
+            .primary_client(host.clone(), port)
+            .map_err(|e| match e {
+                Error::Redis(e) => e,
+                other => RedisError::from((
+                    redis::ErrorKind::InvalidClientConfig,
+                    "the primary's client",
+                    other.to_string(),
+                )),
+            })?;
+        Ok((client, host, port))
+    }
+
+    fn current(&self) -> Option<Primary> {
+        self.0.current.lock().expect("not poisoned").clone()
+    }
+
+    /// After `e` from the primary of `generation`: drops that primary if `e` says it is
+    /// not (or no longer reachable as) the primary.
+    fn failed(&self, e: &RedisError, generation: u64) {
+        if points_elsewhere(e) {
+            self.drop_primary(generation, &e.to_string());
+        }
+    }
+
+    fn drop_primary(&self, generation: u64, why: &str) {
+        let mut current = self.0.current.lock().expect("not poisoned");
+        if let Some(p) = current.as_ref().filter(|p| p.generation == generation) {
+            warn!(primary = %p.addr, reason = %why, "lost the primary; asking the sentinels again");
+            *current = None;
+        }
+    }
+
+    pub(super) fn req_packed_command<'a>(
+        &'a mut self,
+        cmd: &'a redis::Cmd,
+    ) -> RedisFuture<'a, redis::Value> {
+        Box::pin(async move {
+            let mut primary = self.primary().await?;
+            let reply =
+                redis::aio::ConnectionLike::req_packed_command(&mut primary.conn, cmd).await;
+            match &reply {
+                Err(e) => self.failed(e, primary.generation),
+                Ok(v) if answered_by_replica(v) => {
+                    self.drop_primary(primary.generation, "it answered READONLY or MASTERDOWN")
+                }
+                Ok(_) => {}
+            }
+            reply
+        })
+    }
+
+    pub(super) fn req_packed_commands<'a>(
+        &'a mut self,
+        pipe: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<redis::Value>> {
+        Box::pin(async move {
+            let mut primary = self.primary().await?;
+            let reply = redis::aio::ConnectionLike::req_packed_commands(
+                &mut primary.conn,
+                pipe,
+                offset,
+                count,
+            )
+            .await;
+            match &reply {
+                Err(e) => self.failed(e, primary.generation),
+                Ok(values) if values.iter().any(answered_by_replica) => {
+                    self.drop_primary(primary.generation, "it answered READONLY or MASTERDOWN")
+                }
+                Ok(_) => {}
+            }
+            reply
+        })
+    }
+
+    pub(super) fn get_db(&self) -> i64 {
+        self.0.target.0.primary.redis_settings().db()
+    }
+}
+
+/// True when a reply is (or holds, as the reply of EXEC does) a server error that only
+/// a replica gives. redis-rs passes server errors up as values: they become errors only
+/// where the reply is read.
+fn answered_by_replica(v: &redis::Value) -> bool {
+    match v {
+        redis::Value::ServerError(e) => matches!(e.code(), "READONLY" | "MASTERDOWN"),
+        redis::Value::Array(items) => items.iter().any(answered_by_replica),
+        _ => false,
+    }
+}
+
+/// True when `e` says the node is not the primary any more, or cannot be reached: the
+/// connection failed, or the node (or a command of a pipeline or script) answered
+/// READONLY or MASTERDOWN, which only a replica does. Retrying at the same address would
+/// not help: the primary must be looked up again.
+pub fn points_elsewhere(e: &RedisError) -> bool {
+    if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_connection_refusal() {
+        return true;
+    }
+    let replica = |code: &str| matches!(code, "READONLY" | "MASTERDOWN");
+    if let Some(inner) = e.clone().into_server_errors() {
+        return inner.iter().any(|(_, s)| replica(s.code()));
+    }
+    e.code().is_some_and(replica)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reply(line: &str) -> RedisError {
+        redis::parse_redis_value(format!("-{line}\r\n").as_bytes())
+            .unwrap()
+            .extract_error()
+            .unwrap_err()
+    }
+
+    #[test]
+    fn a_demoted_or_lost_primary_is_looked_up_again() {
+        for line in [
+            "READONLY You can't write against a read only replica.",
+            "READONLY You can't write against a read only replica. script: a9c3, on @user_script:1.",
+            "MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.",
+        ] {
+            assert!(points_elsewhere(&reply(line)), "{line}");
+        }
+        let refused: RedisError =
+            std::io::Error::from(std::io::ErrorKind::ConnectionRefused).into();
+        assert!(points_elsewhere(&refused));
+        let as_value =
+            |line: &str| redis::parse_redis_value(format!("-{line}\r\n").as_bytes()).unwrap();
+        let readonly = "READONLY You can't write against a read only replica.";
+        assert!(answered_by_replica(&as_value(readonly)));
+        assert!(answered_by_replica(&redis::Value::Array(vec![
+            redis::Value::Okay,
+            as_value(readonly),
+        ])));
+        assert!(!answered_by_replica(&as_value(
+            "BUSY Redis is busy running a script."
+        )));
+        // States of a primary that pass: retried at the same address.
+        for line in [
+            "BUSY Redis is busy running a script.",
+            "LOADING Redis is loading the dataset in memory",
+            "OOM command not allowed when used memory > 'maxmemory'.",
+            "NOSCRIPT No matching script. Please use EVAL.",
+            "WRONGTYPE Operation against a key holding the wrong kind of value",
+        ] {
+            assert!(!points_elsewhere(&reply(line)), "{line}");
+        }
+    }
+}
