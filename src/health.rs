@@ -166,6 +166,18 @@ impl Failing {
 /// How often [`watch_redis`] pings.
 pub const REDIS_UP_EVERY: Duration = Duration::from_secs(5);
 
+/// Spawns [`watch_redis`] for the life of the returned guard (and no longer than
+/// `shutdown`).
+pub fn spawn_redis_watch(
+    conn: RedisConn,
+    up: prometheus::IntGauge,
+    shutdown: &CancellationToken,
+) -> tokio_util::sync::DropGuard {
+    let stop = shutdown.child_token();
+    tokio::spawn(watch_redis(conn, up, stop.clone()));
+    stop.drop_guard()
+}
+
 /// Sets `up` to 1 while Redis answers PING within 2 s (as `/readyz` asks it), 0 otherwise,
 /// every [`REDIS_UP_EVERY`] until `stop`. Run by the worker and the reconciler for the
 /// gauge `registry_janitor_redis_up`.

@@ -18,7 +18,6 @@
 mod common;
 
 use std::{
-    io::{Read, Write},
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
 };
@@ -242,33 +241,9 @@ impl Prometheus {
         std::fs::read_to_string(self.dir.path().join("prometheus.log")).unwrap_or_default()
     }
 
-    /// An HTTP/1.0 GET (so that the body is never chunked): status and body.
+    /// An HTTP GET of Prometheus: status and body.
     fn get(&self, path_and_query: &str) -> (u16, String) {
-        let Ok(mut s) = std::net::TcpStream::connect(&self.addr) else {
-            return (0, String::new());
-        };
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        if write!(
-            s,
-            "GET {path_and_query} HTTP/1.0\r\nHost: {}\r\n\r\n",
-            self.addr
-        )
-        .is_err()
-        {
-            return (0, String::new());
-        }
-        let mut raw = String::new();
-        let _ = s.read_to_string(&mut raw);
-        let status = raw
-            .split(' ')
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .unwrap_or(0);
-        let body = raw
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_owned())
-            .unwrap_or_default();
-        (status, body)
+        http_get(&self.addr, path_and_query)
     }
 
     /// GET of an API path: the `data` of a successful answer.

@@ -221,13 +221,11 @@ impl Reconciler {
             grace_ms = this.settings.heartbeat_grace_ms,
             "reconciler starting"
         );
-        let stop_ping = shutdown.child_token();
-        tokio::spawn(crate::health::watch_redis(
+        let _stop_ping = crate::health::spawn_redis_watch(
             this.conn.clone(),
             this.metrics.redis_up.clone(),
-            stop_ping.clone(),
-        ));
-        let _stop_ping = stop_ping.drop_guard();
+            &shutdown,
+        );
         let hints = tokio::spawn(this.clone().hint_loop(shutdown.clone()));
         let sweeper = tokio::spawn(this.clone().sweep_loop(shutdown.clone()));
         let interval = Duration::from_millis(this.settings.reconcile_interval_ms);

@@ -130,13 +130,11 @@ impl Worker {
             redis = %conn::describe(&this.settings),
             "worker starting"
         );
-        let stop_ping = shutdown.child_token();
-        tokio::spawn(crate::health::watch_redis(
+        let _stop_ping = crate::health::spawn_redis_watch(
             this.conn.clone(),
             this.metrics.redis_up.clone(),
-            stop_ping.clone(),
-        ));
-        let _stop_ping = stop_ping.drop_guard();
+            &shutdown,
+        );
 
         // Retried through every transient state (BUSY, OOM, NOREPLICAS, a refused
         // connection...): a deployment whose workers all start in one must not crash-loop.

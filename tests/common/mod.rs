@@ -421,18 +421,17 @@ pub fn free_addr() -> String {
     l.local_addr().unwrap().to_string()
 }
 
-/// A plain HTTP/1.1 GET; returns the status code and the body ("" when not reachable).
+/// A plain HTTP/1.0 GET (so that the body is never chunked); returns the status code and
+/// the body ("" when not reachable).
 pub fn http_get(addr: &str, path: &str) -> (u16, String) {
     use std::io::{Read, Write};
     let Ok(mut s) = std::net::TcpStream::connect(addr) else {
         return (0, String::new());
     };
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    if write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").is_err() {
+        return (0, String::new());
+    }
     let mut raw = String::new();
     let _ = s.read_to_string(&mut raw);
     let status = raw
