@@ -101,34 +101,8 @@ impl SentinelProcess {
     }
 
     fn wait_answering(&mut self) -> Result<()> {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Some(status) = self
-                .child
-                .as_mut()
-                .and_then(|c| c.try_wait().ok().flatten())
-            {
-                self.child = None;
-                return Err(Error::LocalRedis(format!(
-                    "redis-server --sentinel exited with {status} at start; log:\n{}",
-                    self.log()
-                )));
-            }
-            let pong = redis::Client::open(self.url()).and_then(|c| {
-                let mut c = c.get_connection_with_timeout(Duration::from_millis(200))?;
-                redis::cmd("PING").query::<String>(&mut c)
-            });
-            if pong.is_ok() {
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                return Err(Error::LocalRedis(format!(
-                    "redis-server --sentinel did not answer within 10 s; log:\n{}",
-                    self.log()
-                )));
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let (url, log) = (self.url(), self.dir.path().join("sentinel.log"));
+        super::server::wait_answering(&mut self.child, &url, "redis-server --sentinel", &log)
     }
 
     /// Kills the sentinel with SIGKILL.

@@ -141,36 +141,48 @@ impl RedisServer {
             .spawn()
             .map_err(|e| Error::io("starting redis-server (is it installed?)", e))?;
         self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let client = redis::Client::open(self.url())?;
-        loop {
-            if let Some(status) = self
-                .child
-                .as_mut()
-                .and_then(|c| c.try_wait().ok().flatten())
-            {
-                self.child = None;
-                return Err(Error::LocalRedis(format!(
-                    "redis-server exited with {status} at start; log:\n{}",
-                    self.log()
-                )));
-            }
-            let pong = client
-                .get_connection_with_timeout(Duration::from_millis(200))
-                .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c));
-            // A server started with --requirepass answers, with NOAUTH: it is up.
-            if pong.is_ok() || pong.as_ref().is_err_and(|e| e.code() == Some("NOAUTH")) {
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                self.kill();
-                return Err(Error::LocalRedis(format!(
-                    "redis-server did not answer within 10 s; log:\n{}",
-                    self.log()
-                )));
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        let (url, log) = (self.url(), self.log_path());
+        let answered = wait_answering(&mut self.child, &url, "redis-server", &log);
+        if answered.is_err() {
+            self.kill();
         }
+        answered
+    }
+}
+
+/// Waits up to 10 s until the process in `child`, listening at `url`, answers PING (or
+/// NOAUTH: a server started with --requirepass is up). An error, with its log file, if
+/// it exits first (then `child` is None) or does not answer in time.
+pub(crate) fn wait_answering(
+    child: &mut Option<std::process::Child>,
+    url: &str,
+    what: &str,
+    log_file: &std::path::Path,
+) -> Result<()> {
+    let log = || std::fs::read_to_string(log_file).unwrap_or_default();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let client = redis::Client::open(url)?;
+    loop {
+        if let Some(status) = child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+            *child = None;
+            return Err(Error::LocalRedis(format!(
+                "{what} exited with {status} at start; log:\n{}",
+                log()
+            )));
+        }
+        let pong = client
+            .get_connection_with_timeout(Duration::from_millis(200))
+            .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c));
+        if pong.is_ok() || pong.as_ref().is_err_and(|e| e.code() == Some("NOAUTH")) {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(Error::LocalRedis(format!(
+                "{what} did not answer within 10 s; log:\n{}",
+                log()
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
