@@ -35,7 +35,8 @@ end
 
 local function mp_bin(s)
   local n = #s
-  if n < 256 then return '\196' .. mp_be(n, 1) .. s end
+  -- The common case (user ids under 256 bytes) without mp_be's table: this runs per user.
+  if n < 256 then return '\196' .. string.char(n) .. s end
   if n < 65536 then return '\197' .. mp_be(n, 2) .. s end
   return '\198' .. mp_be(n, 4) .. s
 end
