@@ -2,8 +2,7 @@
 -- still names the given server (the atomic check-and-delete the janitor uses too).
 --
 -- Used on a Redis Cluster, where the forward entry and the server's keys are in different
--- slots: the first step of unregister, the undo of a registration refused as FENCED, and
--- the last step of a route that found a fenced owner.
+-- slots: the first step of unregister, and the undo of a registration refused as FENCED.
 --
 -- KEYS[1] the forward entry: `registry` (layout hash) or `user:<user>` (layout keys)
 -- ARGV[1] user id  ARGV[2] server id  ARGV[3] 'hash' or 'keys'

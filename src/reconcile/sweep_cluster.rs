@@ -215,9 +215,13 @@ impl Reconciler {
                 )
                 .await?;
                 removed += checked.deleted;
-                // After the deletes, in another slot: a crash in between loses this
-                // announcement (the README says so); the entries are gone either way.
-                self.announce_sweep(owner, &checked.deleted_users).await?;
+                // After the deletes, in another slot. Those of the page's entries that are
+                // gone are announced too, as on the cleanup's path: a retry of this step
+                // (a transient error after the deletes) finds its own deletes absent. A
+                // crash in between still loses the announcement (the README says so).
+                let mut gone = checked.deleted_users;
+                gone.extend(checked.absent_users);
+                self.announce_sweep(owner, &gone).await?;
             }
         }
         Ok(removed)
