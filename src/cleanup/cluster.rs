@@ -30,6 +30,9 @@ struct Chunk<'a> {
     scanned: usize,
 }
 
+/// How long the end of a walk waits for the replicas to hold its deletes.
+const REPLICATION_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 impl Cleaner {
     /// The cleanup on a Redis Cluster, where one script cannot touch the reverse set
     /// (slot of `{S}`) and the forward entries (other slots) together. Each chunk is three
@@ -142,6 +145,16 @@ impl Cleaner {
         })
         .await?;
         if next == "0" {
+            // The walk's deletes (on every master) reach the replicas before the epoch
+            // that decides whether they stand is read: a failover after this cannot lose
+            // them, one before it changed the epoch and the walk is made again.
+            let (wanted, acked) = retrying_counted("waiting for the replicas", stop, None, || {
+                crate::conn::wait_replicated(conn, REPLICATION_WAIT)
+            })
+            .await?;
+            if acked < wanted as i64 {
+                tracing::warn!(server_id = %server, wanted, acked, "a replica did not acknowledge the walk's deletes in time: a failover now could lose some (the reconciler finds them)");
+            }
             *epoch = retrying_counted("cluster epoch", stop, Some(errors), || cluster_epoch(conn))
                 .await?;
         }

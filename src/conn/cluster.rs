@@ -32,6 +32,52 @@ pub async fn cluster_masters(conn: &RedisConn) -> Result<Vec<(String, u16)>> {
     Ok(masters)
 }
 
+/// The fewest replicas that a master serving slots has now (CLUSTER NODES: replicas
+/// neither failed nor unlinked, per master). 0 when any master has none.
+pub async fn cluster_min_replicas(conn: &RedisConn) -> Result<usize> {
+    let text: String = redis::cmd("CLUSTER")
+        .arg("NODES")
+        .query_async(&mut conn.clone())
+        .await?;
+    let nodes: Vec<Vec<&str>> = text
+        .lines()
+        .map(|line| line.split(' ').collect::<Vec<_>>())
+        .filter(|f| f.len() >= 8 && !f[2].contains("fail"))
+        .collect();
+    let fewest = nodes
+        .iter()
+        .filter(|f| f[2].contains("master") && f.len() > 8)
+        .map(|master| {
+            nodes
+                .iter()
+                .filter(|f| f[2].contains("slave") && f[3] == master[0] && f[7] == "connected")
+                .count()
+        })
+        .min();
+    Ok(fewest.unwrap_or(0))
+}
+
+/// WAIT on every master for the replicas it has (at most `timeout`): the writes this
+/// connection made are then on the replicas too, so a failover after it cannot lose
+/// them. Returns (replicas wanted, the fewest that acknowledged); (0, 0) without replicas,
+/// where WAIT would only sit out its timeout. Replication stays asynchronous: a replica
+/// that does not answer in time is not waited for longer (the caller says so).
+pub async fn wait_replicated(
+    conn: &RedisConn,
+    timeout: std::time::Duration,
+) -> Result<(usize, i64)> {
+    let wanted = cluster_min_replicas(conn).await?;
+    if wanted == 0 {
+        return Ok((0, 0));
+    }
+    let acked: i64 = redis::cmd("WAIT")
+        .arg(wanted)
+        .arg(timeout.as_millis() as u64)
+        .query_async(&mut conn.clone())
+        .await?;
+    Ok((wanted, acked))
+}
+
 /// A client for one node of the cluster, with the settings' credentials: for what is
 /// per node (keyspace notifications, SCAN).
 pub fn node_client(settings: &Settings, host: &str, port: u16) -> Result<redis::Client> {

@@ -34,7 +34,9 @@ use crate::{
 
 mod cluster;
 mod sentinel;
-pub use cluster::{cluster_epoch, cluster_masters, node_client};
+pub use cluster::{
+    cluster_epoch, cluster_masters, cluster_min_replicas, node_client, wait_replicated,
+};
 pub use sentinel::{SentinelConn, SentinelTarget};
 
 /// Longest a short command may take before it counts as failed (and is retried).
