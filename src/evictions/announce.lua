@@ -41,6 +41,9 @@ local function mp_bin(s)
   return '\198' .. mp_be(n, 4) .. s
 end
 
+-- bin 8 headers by length, made as met.
+local BIN8 = {}
+
 local function mp_array_header(n)
   if n < 16 then return string.char(144 + n) end
   if n < 65536 then return '\220' .. mp_be(n, 2) end
@@ -82,8 +85,25 @@ local function announce_evicted(stream, server, event_id, source, users)
   local entries = 0
   for first = 1, #users, EVICTED_PER_ENTRY do
     local last = math.min(first + EVICTED_PER_ENTRY - 1, #users)
-    local list = {mp_array_header(last - first + 1)}
-    for i = first, last do list[#list + 1] = mp_bin(users[i]) end
+    local list, k = {mp_array_header(last - first + 1)}, 1
+    for i = first, last do
+      -- The per-user hot path: a cached header and the id itself go into the list, so
+      -- no string is made per user (table.concat below copies each once).
+      local user = users[i]
+      local n = #user
+      local header = BIN8[n]
+      if n < 256 and not header then
+        header = '\196' .. string.char(n)
+        BIN8[n] = header
+      end
+      if header then
+        list[k + 1], list[k + 2] = header, user
+        k = k + 2
+      else
+        list[k + 1] = mp_bin(user)
+        k = k + 1
+      end
+    end
     local payload = mp_map({
       'v', mp_uint(1), 'source', mp_str(source), 'server_id', mp_str(server),
       'event_id', mp_str(event_id), 'users', table.concat(list), 'evicted_at_ms', at,
