@@ -763,3 +763,44 @@ async fn a_refused_register_on_a_cluster_leaves_a_live_servers_entry() {
         );
     }
 }
+
+/// A key of another type where the evictions stream should be: on a cluster, where the
+/// deletes and the stream are in different slots, the cleanup is refused before any
+/// delete (an XADD failing after them would leave them unannounced). Once the key is
+/// fixed, the cleanup finishes and announces every user.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_type_at_the_stream_name_refuses_the_cleanup_on_a_cluster() {
+    let Some(f) = ClusterFixture::start(3, 0, Layout::Keys, 100).await else {
+        return;
+    };
+    let stream = f.keys.evictions().unwrap().to_owned();
+    let mut c = f.conn.clone();
+    let _: () = redis::cmd("SET")
+        .arg(&stream)
+        .arg("oops")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let dead = server("gw-dead#1");
+    seed(&f.registry, &f.conn, &dead, 500).await;
+    let cleaner = registry_janitor::cleanup::Cleaner::new(f.keys.clone(), Layout::Keys, 100, 1);
+    let stop = tokio_util::sync::CancellationToken::new();
+    let refused = cleaner.clean(&f.conn, &dead, &stop, |_| {}).await;
+    assert!(
+        refused
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("evictions stream")),
+        "{refused:?}"
+    );
+    assert_eq!(f.still_pointing(&dead, 500).await, 500, "nothing deleted");
+    let _: () = redis::cmd("DEL")
+        .arg(&stream)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    cleaner.clean(&f.conn, &dead, &stop, |_| {}).await.unwrap();
+    assert_eq!(f.still_pointing(&dead, 500).await, 0);
+    let (announced, _) = evictions_of(&f.conn, &f.keys).await;
+    let announced: std::collections::HashSet<_> = announced.into_iter().map(|(_, u)| u).collect();
+    assert!((0..500).all(|n| announced.contains(&user(&dead, n))));
+}

@@ -65,6 +65,10 @@ impl Cleaner {
             errors.reset();
         };
         let mut report = Report::default();
+        retrying_counted("checking the evictions stream", stop, Some(&errors), || {
+            crate::evictions::check_stream(conn, &self.keys)
+        })
+        .await?;
         let mut epoch =
             retrying_counted("cluster epoch", stop, Some(&errors), || cluster_epoch(conn)).await?;
         loop {

@@ -24,9 +24,12 @@ local function counted(answer)
   local totals = redis.call('HMGET', KEYS[3], 'evicted', 'kept')
   return {answer, tonumber(totals[1] or '0'), tonumber(totals[2] or '0')}
 end
+-- The totals are informative: when Redis is out of memory the HINCRBYs are refused
+-- (pcall) and the walk goes on, since the deletes are what frees the memory; the totals
+-- then undercount.
 if redis.call('EXISTS', KEYS[3]) == 1 then
-  if tonumber(ARGV[7]) > 0 then redis.call('HINCRBY', KEYS[3], 'evicted', ARGV[7]) end
-  if tonumber(ARGV[8]) > 0 then redis.call('HINCRBY', KEYS[3], 'kept', ARGV[8]) end
+  if tonumber(ARGV[7]) > 0 then redis.pcall('HINCRBY', KEYS[3], 'evicted', ARGV[7]) end
+  if tonumber(ARGV[8]) > 0 then redis.pcall('HINCRBY', KEYS[3], 'kept', ARGV[8]) end
 end
 
 if redis.call('EXISTS', KEYS[2]) == 0 then

@@ -134,6 +134,26 @@ pub fn cleaned_payload(
     out
 }
 
+/// Where the deletes and the stream cannot be one script (a cluster): refuses the work
+/// before any delete when the evictions stream's key holds another type, as
+/// `check_evictions_stream` in announce.lua does on one node. An XADD failing after the
+/// deletes would leave them unannounced. A no-op when the stream is off.
+pub async fn check_stream(conn: &RedisConn, keys: &Keys) -> Result<()> {
+    let Some(stream) = keys.evictions() else {
+        return Ok(());
+    };
+    let kind: String = redis::cmd("TYPE")
+        .arg(stream)
+        .query_async(&mut conn.clone())
+        .await?;
+    match kind.as_str() {
+        "none" | "stream" => Ok(()),
+        other => Err(crate::error::Error::Protocol(format!(
+            "WRONGTYPE the evictions stream {stream} holds a {other}, not a stream (setting `evictions_stream`)"
+        ))),
+    }
+}
+
 /// XADDs `users.evicted` entries for `users` (already deleted), [`MAX_USERS_PER_ENTRY`]
 /// per entry; a no-op when the stream is off. Returns the entries written. Used where
 /// the deletes and the stream cannot be one script (a cluster).

@@ -29,6 +29,11 @@ impl Reconciler {
         stop: &CancellationToken,
     ) -> Result<SweepReport> {
         let mut report = SweepReport::default();
+        self.watch()
+            .retrying("checking the evictions stream", stop, || {
+                crate::evictions::check_stream(&self.conn, &self.keys)
+            })
+            .await?;
         match self.settings.layout {
             Layout::Hash => self.sweep_hash_on_cluster(pause, stop, &mut report).await?,
             Layout::Keys => {
