@@ -158,6 +158,9 @@ pub struct DemoOptions {
     /// half while the cleanup runs.
     #[arg(long, default_value_t = 1.0)]
     pub moved_percent: f64,
+    /// Run on a private local Redis Cluster of 3 masters (all on this machine) instead.
+    #[arg(long)]
+    pub local_cluster: bool,
 }
 
 // Parsed in every build; run only in one with the `testkit` feature.

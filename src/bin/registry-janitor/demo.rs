@@ -1,6 +1,8 @@
 //! `registry-janitor demo`: the whole story on one machine, verified.
 //!
-//! 1. Finds a Redis: the one at `redis_url`, or a private `redis-server` it starts.
+//! 1. Finds a Redis: the one at `redis_url`, or a private `redis-server` it starts; with
+//!    `--local-cluster`, a private local Redis Cluster of 3 masters, and with
+//!    `redis_cluster` set, the configured cluster.
 //! 2. Seeds a registry under a key prefix of its own (it never touches other keys):
 //!    `servers` x `users` entries, every server heartbeating.
 //! 3. Declares `dead` servers dead with real `server.dead` events; before that, a few of
@@ -29,7 +31,7 @@ use registry_janitor::{
     metrics::Metrics,
     registry::Registry,
     status, stream,
-    testkit::RedisServer,
+    testkit::{RedisCluster, RedisServer},
     worker::Worker,
 };
 use tokio_util::sync::CancellationToken;
@@ -127,9 +129,9 @@ pub async fn run(settings: &Settings, options: &Options) -> Result<Summary> {
             reason: "needs at least 2 servers and 1 to servers-1 dead ones".into(),
         });
     }
-    let (mut settings, _private) = local_redis(settings).await?;
+    let (mut settings, _private) = redis_for(settings, options.local_cluster).await?;
     settings.key_prefix = format!("{}janitor-demo:{}:", settings.key_prefix, ulid::Ulid::new());
-    let conn = conn::shared(&conn::client_for(&settings)?)?;
+    let conn = conn::shared_for(&conn::target_for(&settings)?).await?;
     let keys = Keys::for_settings(&settings);
     eprintln!(
         "demo keys live under `{}` and are deleted at the end",
@@ -280,20 +282,46 @@ fn user_id(server: &ServerId, n: usize) -> Vec<u8> {
     .into_bytes()
 }
 
-/// The settings with `redis_url` pointing at a Redis to use: the one configured if it
-/// answers, otherwise a private `redis-server` (kept alive by the returned guard). For the
-/// demo and the benchmark, which run on one node.
-pub(crate) async fn local_redis(settings: &Settings) -> Result<(Settings, Option<RedisServer>)> {
-    if settings.redis_cluster {
-        return Err(Error::Setting {
-            name: "redis_cluster".into(),
-            reason: "this command does not support Redis Cluster yet (the workers do)".into(),
-        });
+/// Keeps a private Redis (node or cluster) alive for the demo's or the benchmark's
+/// duration.
+#[allow(dead_code)] // the fields are held for their Drop (which stops the servers)
+pub(crate) enum Private {
+    Node(Option<RedisServer>),
+    Cluster(RedisCluster),
+}
+
+/// The Redis the demo or the benchmark runs on: a private local cluster of 3 masters with
+/// `local_cluster`; the configured cluster or Sentinel group; else the configured node if
+/// it answers, or a private `redis-server` (kept alive by the returned guard).
+pub(crate) async fn redis_for(
+    settings: &Settings,
+    local_cluster: bool,
+) -> Result<(Settings, Private)> {
+    if local_cluster {
+        if !RedisServer::available() {
+            return Err(Error::LocalRedis(format!(
+                "--local-cluster starts redis-server processes, and redis-server is not on PATH:\n{INSTALL_REDIS}"
+            )));
+        }
+        let cluster = tokio::task::spawn_blocking(|| RedisCluster::start(3, 0)).await??;
+        eprintln!(
+            "started a private Redis Cluster of 3 masters on this machine: {:?}",
+            cluster.seeds()
+        );
+        let mut settings = settings.clone();
+        settings.redis_cluster = true;
+        settings.redis_url = cluster.url();
+        settings.redis_cluster_seeds = cluster.seeds();
+        return Ok((settings, Private::Cluster(cluster)));
+    }
+    if settings.redis_cluster || settings.uses_sentinel() {
+        eprintln!("using the Redis at {}", conn::describe(settings));
+        return Ok((settings.clone(), Private::Node(None)));
     }
     let (url, private) = find_redis(&settings.redis_url).await?;
     let mut settings = settings.clone();
     settings.redis_url = url;
-    Ok((settings, private))
+    Ok((settings, Private::Node(private)))
 }
 
 /// Uses the Redis at `url` if it answers; otherwise starts a private one.
@@ -419,14 +447,24 @@ async fn verify(
             }
         }
     }
-    // A clean server has no reverse set and no `servers` entry left either.
-    let (mut sets, mut scores) = (redis::pipe(), redis::pipe());
+    // A clean server has no reverse set and no `servers` entry left either (on a cluster
+    // the sets are in as many slots).
+    let (mut sets, mut scores) = (Vec::new(), Vec::new());
     for server in dead {
-        sets.exists(&registry.keys().server_members_left(server));
-        scores.zscore(registry.keys().servers(), server.as_str());
+        sets.push(
+            redis::cmd("EXISTS")
+                .arg(&registry.keys().server_members_left(server)[..])
+                .to_owned(),
+        );
+        scores.push(
+            redis::cmd("ZSCORE")
+                .arg(registry.keys().servers())
+                .arg(server.as_str())
+                .to_owned(),
+        );
     }
-    let sets: Vec<u64> = sets.query_async(&mut conn.clone()).await?;
-    let scores: Vec<Option<f64>> = scores.query_async(&mut conn.clone()).await?;
+    let sets: Vec<u64> = conn::each_in_flight(conn, sets).await?;
+    let scores: Vec<Option<f64>> = conn::each_in_flight(conn, scores).await?;
     summary.stale += sets.iter().sum::<u64>() + scores.iter().flatten().count() as u64;
     Ok(summary)
 }

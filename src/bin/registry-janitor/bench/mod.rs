@@ -43,11 +43,10 @@ use registry_janitor::{
     config::Settings,
     conn::{self, RedisConn},
     error::{Error, Result},
-    testkit::{RedisCluster, RedisServer},
 };
 use serde::Serialize;
 
-use crate::{cli::BenchOptions as Options, demo::local_redis};
+use crate::{cli::BenchOptions as Options, demo::redis_for};
 use route::{RouteCost, StaleWindow};
 use runs::Reference;
 
@@ -109,7 +108,13 @@ pub struct Report {
 
 /// Runs the benchmark; `worker_exe` is the `registry-janitor` binary to start workers from.
 pub async fn run(settings: &Settings, options: &Options, worker_exe: &Path) -> Result<Report> {
-    let (settings, _private) = bench_redis(settings, options).await?;
+    if settings.uses_sentinel() {
+        return Err(Error::Setting {
+            name: "redis_sentinels".into(),
+            reason: "the benchmark runs on a node or a cluster, not through Sentinel".into(),
+        });
+    }
+    let (settings, _private) = redis_for(settings, options.local_cluster).await?;
     let conn = conn::shared_for(&conn::target_for(&settings)?).await?;
     let redis_version = probe::redis_version(&settings, &conn).await?;
     let root = format!(
@@ -234,35 +239,6 @@ fn median(runs: &[Run], name: &str) -> Run {
         // Summed over the repetitions in the report's `stale_window`.
         stale_window: None,
     }
-}
-
-/// Keeps a private Redis (node or cluster) alive for the benchmark's duration.
-#[allow(dead_code)] // the fields are held for their Drop (which stops the servers)
-enum Private {
-    Node(Option<RedisServer>),
-    Cluster(RedisCluster),
-}
-
-/// The Redis the benchmark runs on: a private local cluster with `--local-cluster`, the
-/// configured cluster with `redis_cluster`, else the configured node or a private one.
-async fn bench_redis(settings: &Settings, options: &Options) -> Result<(Settings, Private)> {
-    if options.local_cluster {
-        let cluster = tokio::task::spawn_blocking(|| RedisCluster::start(3, 0)).await??;
-        eprintln!(
-            "started a private Redis Cluster of 3 masters on this machine: {:?}",
-            cluster.seeds()
-        );
-        let mut settings = settings.clone();
-        settings.redis_cluster = true;
-        settings.redis_url = cluster.url();
-        settings.redis_cluster_seeds = cluster.seeds();
-        return Ok((settings, Private::Cluster(cluster)));
-    }
-    if settings.redis_cluster {
-        return Ok((settings.clone(), Private::Node(None)));
-    }
-    let (settings, private) = local_redis(settings).await?;
-    Ok((settings, Private::Node(private)))
 }
 
 /// The running binary, to start bench workers from.
