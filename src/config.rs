@@ -343,13 +343,20 @@ impl Settings {
             }
         }
         self.validate_sentinel()?;
-        if self.redis_cluster && (self.tls_ca_file.is_some() || self.tls_cert_file.is_some()) {
+        let tls_url = self.redis_url.starts_with("rediss://");
+        if let Some(seed) = self
+            .redis_cluster_seeds
+            .iter()
+            .find(|seed| seed.starts_with("rediss://") != tls_url)
+        {
             return bad(
-                "redis_cluster",
-                "TLS certificate files are not supported with a cluster yet",
+                "redis_cluster_seeds",
+                format!(
+                    "{} does not use the scheme of redis_url: a cluster is TLS (rediss://) on every node or on none",
+                    redact_url(seed)
+                ),
             );
         }
-        let tls_url = self.redis_url.starts_with("rediss://");
         for (name, file) in [
             ("tls_ca_file", &self.tls_ca_file),
             ("tls_cert_file", &self.tls_cert_file),

@@ -2,7 +2,7 @@
 //! (keyspace notifications and SCAN are per node), a client for one node, and the
 //! cluster's epoch (every failover bumps it).
 
-use super::{connection_info, install_crypto_provider, RedisConn};
+use super::{client_with, connection_info, install_crypto_provider, tls_certificates, RedisConn};
 use crate::{
     config::Settings,
     error::{Error, Result},
@@ -80,11 +80,25 @@ pub async fn wait_replicated(
 
 /// A client for one node of the cluster, with the settings' credentials: for what is
 /// per node (keyspace notifications, SCAN).
+/// Over TLS (with the settings' certificate files) when `redis_url` is `rediss://`: the
+/// cluster then names its nodes by their TLS ports (`tls-cluster yes`).
 pub fn node_client(settings: &Settings, host: &str, port: u16) -> Result<redis::Client> {
     install_crypto_provider();
-    let info =
-        connection_info(settings)?.set_addr(redis::ConnectionAddr::Tcp(host.to_owned(), port));
-    Ok(redis::Client::open(info)?)
+    let info = connection_info(settings)?;
+    let addr = match info.addr() {
+        redis::ConnectionAddr::TcpTls {
+            insecure,
+            tls_params,
+            ..
+        } => redis::ConnectionAddr::TcpTls {
+            host: host.to_owned(),
+            port,
+            insecure: *insecure,
+            tls_params: tls_params.clone(),
+        },
+        _ => redis::ConnectionAddr::Tcp(host.to_owned(), port),
+    };
+    client_with(info.set_addr(addr), tls_certificates(settings)?)
 }
 
 /// The cluster's `current_epoch` (CLUSTER INFO): it grows with every failover.

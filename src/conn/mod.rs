@@ -329,7 +329,19 @@ pub fn target_for(settings: &Settings) -> Result<Target> {
     if let Some(password) = settings.redis_password()? {
         builder = builder.password(password.expose());
     }
-    Ok(Target::Cluster(builder.build()?))
+    if let Some(certs) = tls_certificates(settings)? {
+        builder = builder.certs(certs);
+    }
+    Ok(Target::Cluster(builder.build().map_err(|e| {
+        if settings.tls_ca_file.is_some() || settings.tls_cert_file.is_some() {
+            Error::Setting {
+                name: "tls_ca_file".into(),
+                reason: format!("the TLS certificates could not be used: {e}"),
+            }
+        } else {
+            e.into()
+        }
+    })?))
 }
 
 /// The shared connection for short commands.

@@ -30,6 +30,17 @@ impl RedisCluster {
     /// Starts `masters` masters with `replicas` replicas each, and waits until the
     /// cluster reports `cluster_state:ok` on every node.
     pub fn start(masters: usize, replicas: usize) -> Result<Self> {
+        Self::start_with(masters, replicas, Vec::new)
+    }
+
+    /// [`RedisCluster::start`] with more arguments for each node, from `per_node` (called
+    /// once per node, in the order of `nodes`): for example a TLS port of its own and
+    /// `--tls-cluster yes`. The cluster is created over the plain ports.
+    pub fn start_with(
+        masters: usize,
+        replicas: usize,
+        mut per_node: impl FnMut() -> Vec<String>,
+    ) -> Result<Self> {
         let args = [
             "--cluster-enabled",
             "yes",
@@ -47,7 +58,12 @@ impl RedisCluster {
             "0",
         ];
         let nodes = (0..masters * (1 + replicas))
-            .map(|_| RedisServer::start_with(&args))
+            .map(|_| {
+                let mut node_args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+                node_args.extend(per_node());
+                let node_args: Vec<&str> = node_args.iter().map(String::as_str).collect();
+                RedisServer::start_with(&node_args)
+            })
             .collect::<Result<Vec<_>>>()?;
         let addrs: Vec<String> = nodes
             .iter()
