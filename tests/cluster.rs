@@ -482,6 +482,140 @@ async fn drift_is_repaired_on_a_cluster_keys_layout() {
     drift_is_repaired_on_a_cluster(Layout::Keys).await;
 }
 
+/// The reverse-index part of the drift sweep on a cluster: members of a live server's set
+/// whose user moved elsewhere are set aside, then settled after the grace period (put
+/// back where a registration on that server was in flight, dropped otherwise); and a
+/// server that dies with members set aside has them walked by its cleanup, so an entry
+/// written back to it meanwhile is deleted and the users who moved keep theirs.
+async fn reverse_index_drift_is_repaired_on_a_cluster(layout: Layout) {
+    use registry_janitor::{metrics::Metrics, reconcile::Reconciler};
+    let Some(mut f) = ClusterFixture::start(3, 0, layout, 200).await else {
+        return;
+    };
+    f.settings.heartbeat_grace_ms = 500;
+    let (home, elsewhere) = (server("gw-home#1"), server("gw-elsewhere#1"));
+    seed(&f.registry, &f.conn, &home, 1_000).await;
+    seed(&f.registry, &f.conn, &elsewhere, 10).await;
+    // 300 users reconnect elsewhere; `home` misses their SREM.
+    for n in 0..300 {
+        f.registry
+            .register(&f.conn, &user(&home, n), &elsewhere)
+            .await
+            .unwrap();
+    }
+    let c = f.conn.clone();
+    let (users_key, moved_key) = (f.keys.server_users(&home), f.keys.server_moved(&home));
+    let count = |key: String, cmd: &'static str| {
+        let mut c = c.clone();
+        async move {
+            redis::cmd(cmd)
+                .arg(key)
+                .query_async::<u64>(&mut c)
+                .await
+                .unwrap()
+        }
+    };
+    // A registration on `home` in flight: its forward entry written, its SADD not counted
+    // (the member is there already, so it changes nothing).
+    let write_back = |n: usize| {
+        let mut c = c.clone();
+        let (keys, home) = (f.keys.clone(), home.clone());
+        async move {
+            let u = user(&home, n);
+            let cmd = match layout {
+                Layout::Hash => redis::cmd("HSET")
+                    .arg(keys.registry())
+                    .arg(&u)
+                    .arg(home.as_str())
+                    .to_owned(),
+                Layout::Keys => redis::cmd("SET")
+                    .arg(keys.user(&u))
+                    .arg(home.as_str())
+                    .to_owned(),
+            };
+            let _: () = cmd.query_async(&mut c).await.unwrap();
+        }
+    };
+    let reconciler = Reconciler::new(&f.settings, Metrics::new()).await.unwrap();
+
+    let report = reconciler.run_once().await.unwrap();
+    assert_eq!(report.sweep.members_removed, 300, "{report}");
+    assert_eq!(count(users_key.clone(), "SCARD").await, 700);
+    assert_eq!(count(moved_key.clone(), "ZCARD").await, 300);
+
+    // User 0's registration on `home` lands while it is set aside; after the grace period
+    // it is put back, the other 299 are dropped.
+    write_back(0).await;
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let report = reconciler.run_once().await.unwrap();
+    // User 0 now also leaves the set of `elsewhere`, whose entry it no longer is.
+    assert_eq!(report.sweep.members_removed, 1, "{report}");
+    assert_eq!(count(moved_key.clone(), "ZCARD").await, 0);
+    assert_eq!(count(users_key.clone(), "SCARD").await, 701);
+    let back: bool = redis::cmd("SISMEMBER")
+        .arg(&users_key)
+        .arg(user(&home, 0))
+        .query_async(&mut c.clone())
+        .await
+        .unwrap();
+    assert!(
+        back,
+        "the member of a registration in flight was not put back"
+    );
+
+    // User 1 moves again and is set aside; its registration on `home` lands; then `home`
+    // dies before the member is settled. The cleanup walks the member set aside too.
+    f.registry
+        .register(&f.conn, &user(&home, 1), &elsewhere)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("SADD")
+        .arg(&users_key)
+        .arg(user(&home, 1))
+        .query_async(&mut c.clone())
+        .await
+        .unwrap();
+    let report = reconciler.run_once().await.unwrap();
+    assert_eq!(report.sweep.members_removed, 1, "{report}");
+    write_back(1).await;
+    let worker = spawn_worker(&f.settings);
+    kill(&f.conn, &f.keys, &home).await;
+    f.wait_idle(Duration::from_secs(60)).await;
+    worker.stop().await;
+    assert_eq!(
+        f.still_pointing(&home, 1_000).await,
+        0,
+        "stale entries left"
+    );
+    for n in 2..300 {
+        assert_eq!(
+            f.registry
+                .owner(&f.conn, &user(&home, n))
+                .await
+                .unwrap()
+                .as_deref(),
+            Some(elsewhere.as_str()),
+            "user {n} moved and lost their entry"
+        );
+    }
+    let left: u64 = redis::cmd("EXISTS")
+        .arg(&f.keys.server_members_left(&home)[..])
+        .query_async(&mut c.clone())
+        .await
+        .unwrap();
+    assert_eq!(left, 0, "the dead server's sets are not all gone");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reverse_index_drift_is_repaired_on_a_cluster_hash_layout() {
+    reverse_index_drift_is_repaired_on_a_cluster(Layout::Hash).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reverse_index_drift_is_repaired_on_a_cluster_keys_layout() {
+    reverse_index_drift_is_repaired_on_a_cluster(Layout::Keys).await;
+}
+
 /// Dead letters on a cluster: written (XADD, then XACK), listed, replayed (XADD, then
 /// XDEL: the two streams are in different slots) and purged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

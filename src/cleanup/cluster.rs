@@ -256,6 +256,7 @@ impl Cleaner {
         call.key(self.keys.server_users(server))
             .key(self.keys.server_walking(server))
             .key(self.keys.server_cleanup(server))
+            .key(self.keys.server_moved(server))
             .arg(self.chunk_size)
             .arg(epoch);
         Ok(call.invoke_async(&mut conn.clone()).await?)
@@ -274,6 +275,7 @@ impl Cleaner {
         call.key(self.keys.server_users(server))
             .key(self.keys.server_walking(server))
             .key(self.keys.server_cleanup(server))
+            .key(self.keys.server_moved(server))
             .arg(chunk.walk)
             .arg(chunk.at)
             .arg(chunk.next)

@@ -11,6 +11,8 @@
 -- - with neither left, the progress hash goes: 'done'.
 --
 -- KEYS[1] server:{S}:users  KEYS[2] server:{S}:walking  KEYS[3] server:{S}:cleanup
+-- KEYS[4] server:{S}:moved (members the reverse-index sweep set aside meanwhile: walked
+-- next, as a grown `users` set is)
 -- ARGV[1] walk number  ARGV[2] cursor the chunk was scanned at  ARGV[3] next cursor
 -- ARGV[4] members scanned  ARGV[5] the cluster's current_epoch now
 -- ARGV[6] '1' if the worker saw errors
@@ -33,7 +35,7 @@ if redis.call('EXISTS', KEYS[3]) == 1 then
 end
 
 if redis.call('EXISTS', KEYS[2]) == 0 then
-  if redis.call('EXISTS', KEYS[1]) == 1 then return counted('advanced') end
+  if redis.call('EXISTS', KEYS[1], KEYS[4]) > 0 then return counted('advanced') end
   local answer = counted('done')
   redis.call('DEL', KEYS[3])
   return answer
@@ -57,7 +59,7 @@ if ARGV[3] == '0' then
     return counted('again')
   end
   redis.call('UNLINK', KEYS[2])
-  if redis.call('EXISTS', KEYS[1]) == 1 then
+  if redis.call('EXISTS', KEYS[1], KEYS[4]) > 0 then
     redis.call('HDEL', KEYS[3], 'walk_cursor')
     return counted('advanced')
   end

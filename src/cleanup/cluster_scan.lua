@@ -12,10 +12,15 @@
 -- cluster_advance.lua then walks the set again), `rewalks` how often this set has been
 -- walked again.
 --
+-- Members the reverse-index sweep set aside while S looked alive (`moved`, a Sorted Set)
+-- join the walk when it starts: they are added to `walking`, and `moved` goes, so the
+-- walk checks them like any member (deleted only if their entry still names S).
+--
 -- Moves no cursor: the cursor moves only after the chunk's entries are deleted
 -- (cluster_advance.lua), so a crash in between just repeats the chunk.
 --
 -- KEYS[1] server:{S}:users  KEYS[2] server:{S}:walking  KEYS[3] server:{S}:cleanup
+-- KEYS[4] server:{S}:moved
 -- ARGV[1] SSCAN COUNT  ARGV[2] the cluster's current_epoch as the worker last read it
 -- Returns {walk number, cursor used, next cursor, members};
 -- {'', '', '0', {}} when there is nothing to walk
@@ -26,8 +31,13 @@ if not run_id then
   return redis.error_reply('ERR INFO gives no run_id: the cleanup on a cluster needs it')
 end
 if redis.call('EXISTS', KEYS[2]) == 0 then
-  if redis.call('EXISTS', KEYS[1]) == 0 then return {'', '', '0', {}} end
-  redis.call('RENAME', KEYS[1], KEYS[2])
+  if redis.call('EXISTS', KEYS[1], KEYS[4]) == 0 then return {'', '', '0', {}} end
+  if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('RENAME', KEYS[1], KEYS[2]) end
+  local aside = redis.call('ZRANGE', KEYS[4], 0, -1)
+  for first = 1, #aside, 1000 do
+    redis.call('SADD', KEYS[2], unpack(aside, first, math.min(first + 999, #aside)))
+  end
+  redis.call('UNLINK', KEYS[4])
   redis.call('HDEL', KEYS[3], 'walk_cursor', 'rewalks')
   redis.call('HSET', KEYS[3], 'walk_run_id', run_id, 'epoch', ARGV[2], 'scanned', 0)
   redis.call('HINCRBY', KEYS[3], 'walk', 1)

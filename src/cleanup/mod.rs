@@ -293,12 +293,7 @@ impl Cleaner {
     /// way (0 before the first step), `None` once the server is clean (nothing of its
     /// reverse set left to walk).
     pub async fn progress(&self, conn: &RedisConn, server: &ServerId) -> Result<Option<u64>> {
-        let mut left = self.keys.server_members_left(server).to_vec();
-        if conn.is_cluster() {
-            // The reverse-index sweep, which sets members aside, is single-node only, and
-            // the cluster walk does not read `moved`.
-            left.pop();
-        }
+        let left = self.keys.server_members_left(server);
         let (exists, scanned): (u64, Option<u64>) = redis::pipe()
             .exists(&left)
             .hget(self.keys.server_cleanup(server), "scanned")

@@ -97,6 +97,7 @@ impl Reconciler {
             .key(self.keys.server_fence(server))
             .key(self.keys.server_users(server))
             .key(self.keys.server_walking(server))
+            .key(self.keys.server_moved(server))
             .arg(marker_ttl);
         match call.invoke_async::<i64>(&mut c).await? {
             0 => Ok(Verdict::Alive),

@@ -5,12 +5,12 @@
 -- TTL; it is never lost for good.
 --
 -- KEYS[1] server:{S}:alive  KEYS[2] server:{S}:reported  KEYS[3] server:{S}:fenced
--- KEYS[4] server:{S}:users  KEYS[5] server:{S}:walking (the cluster walk has no `moved`)
+-- KEYS[4] server:{S}:users  KEYS[5] server:{S}:walking  KEYS[6] server:{S}:moved
 -- ARGV[1] marker TTL (ms)
 -- Returns 1 (dead: publish now), 0 (alive), 3 (already reported), 4 (fenced and clean)
 
 if redis.call('EXISTS', KEYS[3]) == 1 then
-  if redis.call('EXISTS', KEYS[4], KEYS[5]) == 0 then return 4 end
+  if redis.call('EXISTS', KEYS[4], KEYS[5], KEYS[6]) == 0 then return 4 end
 elseif redis.call('EXISTS', KEYS[1]) == 1 then
   return 0
 end

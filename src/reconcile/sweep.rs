@@ -53,6 +53,9 @@ impl Reconciler {
         server: &ServerId,
         cursor: &str,
     ) -> Result<(String, u64, u64)> {
+        if self.conn.is_cluster() {
+            return self.sweep_reverse_step_on_cluster(server, cursor).await;
+        }
         let mut call = SWEEP_REVERSE.prepare_invoke();
         call.key(self.keys.server_users(server))
             .key(self.keys.registry())

@@ -2,7 +2,7 @@
 //! (layout hash) or SCAN of `user:*` on every master (layout keys); entries of dead owners
 //! are deleted by the shared check-and-delete ([`crate::forward::check_delete`]).
 
-use std::time::Duration;
+use std::{sync::LazyLock, time::Duration};
 
 use tokio_util::sync::CancellationToken;
 
@@ -14,13 +14,19 @@ use crate::{
     event::ServerId,
 };
 
+static REVERSE_PAGE: LazyLock<redis::Script> =
+    LazyLock::new(|| redis::Script::new(include_str!("reverse_page_cluster.lua")));
+static REVERSE_APPLY: LazyLock<redis::Script> =
+    LazyLock::new(|| redis::Script::new(include_str!("reverse_apply_cluster.lua")));
+
 impl Reconciler {
     /// The forward sweep on a cluster: HSCAN of `registry` through the cluster connection
     /// (layout hash), or SCAN of `user:*` on every master over a connection of its own
     /// (layout keys); owners checked with single-key commands; entries of dead owners
     /// deleted by the same per-slot check-and-delete as the cleanup (`check_delete.lua`).
-    /// The reverse-index part of the sweep is single-node only: on a cluster its read and
-    /// its SREM cannot be one atomic step. A cycle always starts at the beginning. Each
+    /// Then the reverse sets of live servers, as on one node but in two single-slot
+    /// scripts around a read of the owners ([`Reconciler::sweep_reverse_step_on_cluster`]).
+    /// A cycle always starts at the beginning. Each
     /// step (a page read, then its check-and-deletes, both idempotent) is retried through
     /// transient states; [`Error::Cancelled`] as soon as `stop` fires.
     pub(super) async fn sweep_on_cluster(
@@ -50,7 +56,92 @@ impl Reconciler {
                 }
             }
         }
+        self.sweep_reverse_sets(pause, &mut report, stop).await?;
         Ok(report)
+    }
+
+    /// One step of the reverse sweep of `server`'s set on a cluster, where the set (slot
+    /// of `{S}`) and the forward entries (other slots) cannot be read in one script:
+    /// reverse_page_cluster.lua reads a page of the set and the members due for settling,
+    /// the owners of both are read here, and reverse_apply_cluster.lua sets aside, puts
+    /// back and drops (its header says why reading the owners outside it is safe).
+    /// The SSCAN cursor belongs to the node that issued it: after a failover of that slot a
+    /// cycle may miss members, which the next cycle finds. Returns (next cursor, members
+    /// scanned, members set aside).
+    pub(super) async fn sweep_reverse_step_on_cluster(
+        &self,
+        server: &ServerId,
+        cursor: &str,
+    ) -> Result<(String, u64, u64)> {
+        let (users, moved) = (
+            self.keys.server_users(server),
+            self.keys.server_moved(server),
+        );
+        let (next, members, due): (String, Vec<Vec<u8>>, Vec<Vec<u8>>) = REVERSE_PAGE
+            .key(&users)
+            .key(&moved)
+            .arg(cursor)
+            .arg(self.settings.sweep_count)
+            .arg(self.settings.heartbeat_grace_ms)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        let owners = self.owners_on_cluster(members.iter().chain(&due)).await?;
+        let (member_owners, due_owners) = owners.split_at(members.len());
+        let own = server.as_str().as_bytes();
+        let aside: Vec<&Vec<u8>> = members
+            .iter()
+            .zip(member_owners)
+            .filter(|(_, o)| o.as_deref().is_some_and(|o| o != own))
+            .map(|(m, _)| m)
+            .collect();
+        let (back, dropped): (Vec<_>, Vec<_>) = due
+            .iter()
+            .zip(due_owners)
+            .partition(|(_, o)| o.as_deref() == Some(own));
+        if aside.is_empty() && back.is_empty() && dropped.is_empty() {
+            return Ok((next, members.len() as u64, 0));
+        }
+        let mut call = REVERSE_APPLY.prepare_invoke();
+        call.key(&users)
+            .key(&moved)
+            .arg(self.settings.heartbeat_grace_ms)
+            .arg(aside.len())
+            .arg(back.len());
+        for member in aside {
+            call.arg(member);
+        }
+        for (member, _) in back.into_iter().chain(dropped) {
+            call.arg(member);
+        }
+        let removed: u64 = call.invoke_async(&mut self.conn.clone()).await?;
+        Ok((next, members.len() as u64, removed))
+    }
+
+    /// The forward entries' owners of `users`, as bytes (an owner written by something
+    /// else than a connection server may be anything), in order: HMGET of `registry`
+    /// (layout hash) or one GET per user key, many in flight.
+    async fn owners_on_cluster<'a>(
+        &self,
+        users: impl Iterator<Item = &'a Vec<u8>>,
+    ) -> Result<Vec<Option<Vec<u8>>>> {
+        let users: Vec<&Vec<u8>> = users.collect();
+        if users.is_empty() {
+            return Ok(Vec::new());
+        }
+        match self.settings.layout {
+            Layout::Hash => Ok(redis::cmd("HMGET")
+                .arg(self.keys.registry())
+                .arg(&users)
+                .query_async(&mut self.conn.clone())
+                .await?),
+            Layout::Keys => {
+                let gets = users
+                    .iter()
+                    .map(|u| redis::cmd("GET").arg(self.keys.user(u)).to_owned())
+                    .collect();
+                conn::each_in_flight(&self.conn, gets).await
+            }
+        }
     }
 
     /// Layout hash: HSCAN of `registry` (one key, one slot) through the cluster connection.
