@@ -345,3 +345,22 @@ fn the_demo_verifies_its_run_on_a_node_and_on_a_local_cluster() {
         }
     }
 }
+
+/// A Redis that renames EVAL and EVALSHA (as some managed services and proxies can): the
+/// worker stops at start-up saying that it needs Lua scripts, rather than dead-lettering
+/// every event later. The events stay in the stream for a worker on a Redis that can.
+#[test]
+fn a_redis_without_lua_scripts_stops_the_worker_at_start_up() {
+    let redis = redis_with(&[
+        "--rename-command",
+        "EVAL",
+        "EVAL_renamed_by_the_test",
+        "--rename-command",
+        "EVALSHA",
+        "EVALSHA_renamed_by_the_test",
+    ]);
+    let settings = settings(&redis, Layout::Hash);
+    let (code, _, stderr) = run(janitor(&settings).arg("worker"));
+    assert_ne!(code, 0, "the worker ran without Lua scripts: {stderr}");
+    assert!(stderr.contains("refuses Lua scripts"), "{stderr}");
+}

@@ -83,6 +83,27 @@ pub async fn check_walkable(conn: &RedisConn) -> Result<()> {
     }
 }
 
+/// Checks at start-up that this Redis runs Lua scripts: every delete is a script (the
+/// atomic check-and-delete), so a service that disables or renames EVAL/EVALSHA (some
+/// managed services and proxies can) would dead-letter every event. The worker stops with
+/// this error instead, naming what is missing. Transient states are returned as they are
+/// (the caller waits them out).
+pub async fn check_scripting(conn: &RedisConn) -> Result<()> {
+    static PROBE: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new("return 1"));
+    match PROBE
+        .prepare_invoke()
+        .invoke_async::<i64>(&mut conn.clone())
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(e) if crate::error::redis_error_is_retryable(&e) => Err(e.into()),
+        Err(e) => Err(Error::Protocol(format!(
+            "this Redis refuses Lua scripts ({e}): the janitor needs EVAL and EVALSHA (and \
+             SCRIPT LOAD) under their own names, since every delete is an atomic script"
+        ))),
+    }
+}
+
 /// What one step did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Step {

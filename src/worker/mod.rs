@@ -159,6 +159,16 @@ impl Worker {
             Err(Error::Cancelled) => return Ok(()),
             other => other?,
         }
+        match this
+            .watch()
+            .retrying("checking Lua scripting", &shutdown, || {
+                crate::cleanup::check_scripting(&this.conn)
+            })
+            .await
+        {
+            Err(Error::Cancelled) => return Ok(()),
+            other => other?,
+        }
 
         let stop_upkeep = shutdown.child_token();
         let upkeep = tokio::spawn(maintenance::run(
