@@ -563,21 +563,21 @@ async fn reverse_index_drift_is_repaired_on_a_cluster(layout: Layout) {
         "the member of a registration in flight was not put back"
     );
 
-    // User 1 moves again and is set aside; its registration on `home` lands; then `home`
-    // dies before the member is settled. The cleanup walks the member set aside too.
-    f.registry
-        .register(&f.conn, &user(&home, 1), &elsewhere)
-        .await
-        .unwrap();
-    let _: () = redis::cmd("SADD")
-        .arg(&users_key)
-        .arg(user(&home, 1))
-        .query_async(&mut c.clone())
-        .await
-        .unwrap();
+    // Users 300..700 move and are set aside (more than two chunks of the walk); the
+    // registrations on `home` of 300..310 land meanwhile; then `home` dies before they are
+    // settled. The cleanup takes the members set aside into its walk, in batches.
+    for n in 300..700 {
+        f.registry
+            .register(&f.conn, &user(&home, n), &elsewhere)
+            .await
+            .unwrap();
+    }
     let report = reconciler.run_once().await.unwrap();
-    assert_eq!(report.sweep.members_removed, 1, "{report}");
-    write_back(1).await;
+    assert_eq!(report.sweep.members_removed, 400, "{report}");
+    assert_eq!(count(moved_key.clone(), "ZCARD").await, 400);
+    for n in 300..310 {
+        write_back(n).await;
+    }
     let worker = spawn_worker(&f.settings);
     kill(&f.conn, &f.keys, &home).await;
     f.wait_idle(Duration::from_secs(60)).await;
@@ -587,7 +587,7 @@ async fn reverse_index_drift_is_repaired_on_a_cluster(layout: Layout) {
         0,
         "stale entries left"
     );
-    for n in 2..300 {
+    for n in (1..300).chain(310..700) {
         assert_eq!(
             f.registry
                 .owner(&f.conn, &user(&home, n))

@@ -1,3 +1,4 @@
+#!lua flags=allow-oom
 -- Cluster cleanup, part 3 of a chunk (slot of {S}): moves the stored cursor from the one
 -- the chunk was scanned at to the next, once the chunk's entries are deleted. If another
 -- worker moved it first (a duplicate event), or the walk the chunk belongs to is over
@@ -26,9 +27,9 @@ local function counted(answer)
   local totals = redis.call('HMGET', KEYS[3], 'evicted', 'kept')
   return {answer, tonumber(totals[1] or '0'), tonumber(totals[2] or '0')}
 end
--- The totals are informative: when Redis is out of memory the HINCRBYs are refused
--- (pcall) and the walk goes on, since the deletes are what frees the memory; the totals
--- then undercount.
+-- `allow-oom`: these small bookkeeping writes go through when Redis is out of memory,
+-- since the cleanup is what frees it. The totals are informative, and best effort
+-- (pcall) all the same.
 if redis.call('EXISTS', KEYS[3]) == 1 then
   if tonumber(ARGV[7]) > 0 then redis.pcall('HINCRBY', KEYS[3], 'evicted', ARGV[7]) end
   if tonumber(ARGV[8]) > 0 then redis.pcall('HINCRBY', KEYS[3], 'kept', ARGV[8]) end

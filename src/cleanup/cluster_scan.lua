@@ -1,3 +1,4 @@
+#!lua flags=allow-oom
 -- Cluster cleanup, part 1 of a chunk (slot of {S}): the next members of the dead
 -- server's reverse set, from the stored cursor. As in clean_step.lua, the set is renamed
 -- to `walking` when a walk starts, so that members added during the walk land in a new
@@ -13,8 +14,15 @@
 -- walked again.
 --
 -- Members the reverse-index sweep set aside while S looked alive (`moved`, a Sorted Set)
--- join the walk when it starts: they are added to `walking`, and `moved` goes, so the
--- walk checks them like any member (deleted only if their entry still names S).
+-- join `users` before a walk starts, a bounded batch (COUNT) per call, so that no call
+-- holds Redis long (the reply is then an empty chunk, cursor 'fold'); the walk starts
+-- once `moved` is empty, and checks them like any member (deleted only if their entry
+-- still names S). Members are added before the walk, never during it: SSCAN promises only
+-- the members present for the whole scan.
+--
+-- `allow-oom`: the bookkeeping writes here are small, and must go through when Redis is
+-- out of memory, since the cleanup is what frees it (on one node clean_step.lua's
+-- deletes come first, which Redis does not refuse).
 --
 -- Moves no cursor: the cursor moves only after the chunk's entries are deleted
 -- (cluster_advance.lua), so a crash in between just repeats the chunk.
@@ -32,12 +40,16 @@ if not run_id then
 end
 if redis.call('EXISTS', KEYS[2]) == 0 then
   if redis.call('EXISTS', KEYS[1], KEYS[4]) == 0 then return {'', '', '0', {}} end
-  if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('RENAME', KEYS[1], KEYS[2]) end
-  local aside = redis.call('ZRANGE', KEYS[4], 0, -1)
-  for first = 1, #aside, 1000 do
-    redis.call('SADD', KEYS[2], unpack(aside, first, math.min(first + 999, #aside)))
+  local aside = redis.call('ZRANGE', KEYS[4], 0, tonumber(ARGV[1]) - 1)
+  if #aside > 0 then
+    for first = 1, #aside, 1000 do
+      local last = math.min(first + 999, #aside)
+      redis.call('SADD', KEYS[1], unpack(aside, first, last))
+      redis.call('ZREM', KEYS[4], unpack(aside, first, last))
+    end
+    return {'', '', 'fold', {}}
   end
-  redis.call('UNLINK', KEYS[4])
+  redis.call('RENAME', KEYS[1], KEYS[2])
   redis.call('HDEL', KEYS[3], 'walk_cursor', 'rewalks')
   redis.call('HSET', KEYS[3], 'walk_run_id', run_id, 'epoch', ARGV[2], 'scanned', 0)
   redis.call('HINCRBY', KEYS[3], 'walk', 1)
