@@ -65,6 +65,17 @@ pub async fn check_delete(
     check_delete_by_slot(conn, keys, layout, server, users.iter().collect()).await
 }
 
+/// Users that a master's script did not check (their slot moved or is moving, or the
+/// script failed) and that went through the per-slot scripts, in this process.
+static FALLBACK_USERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many users, in this process so far, a master's check-and-delete script on a
+/// cluster left to the per-slot scripts (a slot moving, a node not answering). For tests
+/// and diagnostics.
+pub fn fallback_users() -> u64 {
+    FALLBACK_USERS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// The script of one master: `check_delete.lua` for many slots (see the script).
 static CHECK_DELETE_NODE: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(CHECK_DELETE_NODE_CODE));
@@ -145,6 +156,7 @@ async fn check_delete_by_node(
             users = elsewhere.len(),
             "users not served where the slot map said: checking them slot by slot"
         );
+        FALLBACK_USERS.fetch_add(elsewhere.len() as u64, std::sync::atomic::Ordering::Relaxed);
         conn.forget_slot_owners();
         let more = check_delete_by_slot(conn, keys, Layout::Keys, server, elsewhere).await?;
         checked.deleted += more.deleted;
