@@ -18,7 +18,7 @@ impl Reconciler {
     /// The forward sweep on a cluster: HSCAN of `registry` through the cluster connection
     /// (layout hash), or SCAN of `user:*` on every master over a connection of its own
     /// (layout keys); owners checked with single-key commands; entries of dead owners
-    /// deleted by the same per-slot check-and-delete as the cleanup (`check_delete.lua`).
+    /// deleted by the same check-and-delete as the cleanup ([`crate::forward::check_delete`]).
     /// The reverse-index part of the sweep is single-node only: on a cluster its read and
     /// its SREM cannot be one atomic step. A cycle always starts at the beginning. Each
     /// step (a page read, then its check-and-deletes, both idempotent) is retried through
