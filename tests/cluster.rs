@@ -797,7 +797,9 @@ fn evalsha_calls(cluster: &RedisCluster) -> u64 {
 /// Layout `keys` on a cluster: a chunk of users, whose keys fall in hundreds of slots,
 /// is checked and deleted by one script per master, with the per-slot script's answer:
 /// deleted only where the entry still names the dead server, the others kept, and the
-/// users deleted and those without an entry (none, or not a string) named.
+/// users deleted and those without an entry (none, or not a string) named. A master that
+/// refuses its script as a whole (here: over maxmemory) leaves its users to the per-slot
+/// scripts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chunk_of_keys_is_one_script_per_master() {
     use std::collections::HashSet;
@@ -872,6 +874,35 @@ async fn a_chunk_of_keys_is_one_script_per_master() {
         (again.deleted, again.kept, again.absent_users.len()),
         (0, 10, 990)
     );
+
+    // Seeded again (all 1,000 on the dead server). A master over maxmemory refuses the
+    // script of its group (a script with a shebang and without `allow-oom` is refused up
+    // front): those users go through the per-slot script, which only reads and deletes,
+    // and are cleaned all the same.
+    seed(&f.registry, &f.conn, &dead, 1_000).await;
+    let full = masters(&f.cluster)[0];
+    let on_full = |maxmemory: &str| {
+        let client = redis::Client::open(f.cluster.nodes[full].url()).unwrap();
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("maxmemory")
+            .arg(maxmemory)
+            .query(&mut client.get_connection().unwrap())
+            .unwrap();
+    };
+    on_full("1");
+    let before = registry_janitor::forward::fallback_users();
+    let checked =
+        registry_janitor::forward::check_delete(&f.conn, &f.keys, Layout::Keys, &dead, &ids).await;
+    let fell_back = registry_janitor::forward::fallback_users() - before;
+    on_full("0");
+    let checked = checked.unwrap();
+    assert_eq!((checked.deleted, checked.kept), (1_000, 0));
+    assert!(
+        fell_back >= 100,
+        "the full master's users were not checked slot by slot ({fell_back})"
+    );
+    assert_eq!(f.still_pointing(&dead, 1_000).await, 0);
 }
 
 /// Resharding all the while: slots (with their keys) move between the masters with
