@@ -1,8 +1,9 @@
-#!lua flags=allow-cross-slot-keys
+#!lua flags=allow-cross-slot-keys,allow-oom
 -- Cluster cleanup, layout keys: the atomic check-and-delete of check_delete.lua for the
 -- forward keys of many slots at once, all (by the caller's slot map) served by the node
--- that runs it. Redis 7.0+: the flag lets one script touch keys of several slots of
--- this node. The keys are not declared (declared keys of several slots are refused
+-- that runs it. Redis 7.0+: allow-cross-slot-keys lets one script touch keys of several
+-- slots of this node; allow-oom lets it run on a master over maxmemory, as
+-- check_delete.lua (no shebang) does: it only reads and deletes, and frees memory. The keys are not declared (declared keys of several slots are refused
 -- with CROSSSLOT), and each command names one key (a command across slots is refused
 -- too); Redis still refuses each command on a key this node does not serve.
 --
