@@ -938,3 +938,294 @@ async fn a_wrong_type_at_the_stream_name_refuses_the_cleanup_on_a_cluster() {
     let announced: std::collections::HashSet<_> = announced.into_iter().map(|(_, u)| u).collect();
     assert!((0..500).all(|n| announced.contains(&user(&dead, n))));
 }
+
+/// The EVALSHA calls (check-and-delete scripts) the masters ran to completion since
+/// their stats were reset (a NOSCRIPT reply counts as a failed call).
+fn evalsha_calls(cluster: &RedisCluster) -> u64 {
+    masters(cluster)
+        .into_iter()
+        .map(|i| {
+            let client = redis::Client::open(cluster.nodes[i].url()).unwrap();
+            let mut c = client.get_connection().unwrap();
+            let info: String = redis::cmd("INFO")
+                .arg("commandstats")
+                .query(&mut c)
+                .unwrap();
+            let Some(stats) = info
+                .lines()
+                .find_map(|l| l.strip_prefix("cmdstat_evalsha:"))
+            else {
+                return 0;
+            };
+            let field = |name: &str| -> u64 {
+                stats
+                    .split(',')
+                    .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+                    .and_then(|v| v.trim().parse().ok())
+                    .unwrap_or(0)
+            };
+            field("calls") - field("failed_calls")
+        })
+        .sum()
+}
+
+/// Layout `keys` on a cluster: a chunk of users, whose keys fall in hundreds of slots,
+/// is checked and deleted by one script per master, with the per-slot script's answer:
+/// deleted only where the entry still names the dead server, the others kept, and the
+/// users deleted and those without an entry (none, or not a string) named; also on a
+/// master over maxmemory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunk_of_keys_is_one_script_per_master() {
+    use std::collections::HashSet;
+    let Some(f) = ClusterFixture::start(3, 0, Layout::Keys, 1000).await else {
+        return;
+    };
+    let (dead, live) = (server("gw-dead#1"), server("gw-live#1"));
+    seed(&f.registry, &f.conn, &dead, 1_000).await;
+    let ids: Vec<Vec<u8>> = (0..1_000).map(|n| user(&dead, n)).collect();
+    for u in &ids[..10] {
+        f.registry.register(&f.conn, u, &live).await.unwrap();
+    }
+    for u in &ids[10..15] {
+        let _: i64 = redis::cmd("DEL")
+            .arg(f.keys.user(u))
+            .query_async(&mut f.conn.clone())
+            .await
+            .unwrap();
+    }
+    // Not a forward entry: read as none, as MGET in the per-slot script reads it.
+    let _: () = redis::cmd("DEL")
+        .arg(f.keys.user(&ids[15]))
+        .query_async(&mut f.conn.clone())
+        .await
+        .unwrap();
+    let _: i64 = redis::cmd("HSET")
+        .arg(f.keys.user(&ids[15]))
+        .arg("f")
+        .arg("v")
+        .query_async(&mut f.conn.clone())
+        .await
+        .unwrap();
+    for i in masters(&f.cluster) {
+        let client = redis::Client::open(f.cluster.nodes[i].url()).unwrap();
+        let _: () = redis::cmd("CONFIG")
+            .arg("RESETSTAT")
+            .query(&mut client.get_connection().unwrap())
+            .unwrap();
+    }
+    let checked =
+        registry_janitor::forward::check_delete(&f.conn, &f.keys, Layout::Keys, &dead, &ids)
+            .await
+            .unwrap();
+    let calls = evalsha_calls(&f.cluster);
+    assert!(
+        calls <= 3,
+        "{calls} scripts for 1,000 users on 3 masters (one per slot would be hundreds)"
+    );
+    assert_eq!((checked.deleted, checked.kept), (984, 10));
+    let deleted: HashSet<_> = checked.deleted_users.into_iter().collect();
+    assert_eq!(deleted, ids[16..].iter().cloned().collect());
+    let absent: HashSet<_> = checked.absent_users.into_iter().collect();
+    assert_eq!(absent, ids[10..16].iter().cloned().collect());
+    let _: i64 = redis::cmd("DEL")
+        .arg(f.keys.user(&ids[15]))
+        .query_async(&mut f.conn.clone())
+        .await
+        .unwrap();
+    assert_eq!(f.still_pointing(&dead, 1_000).await, 0);
+    for u in &ids[..10] {
+        assert_eq!(
+            f.registry.owner(&f.conn, u).await.unwrap().as_deref(),
+            Some("gw-live#1")
+        );
+    }
+    // Again: nothing left to delete, the users are named as absent.
+    let again =
+        registry_janitor::forward::check_delete(&f.conn, &f.keys, Layout::Keys, &dead, &ids)
+            .await
+            .unwrap();
+    assert_eq!(
+        (again.deleted, again.kept, again.absent_users.len()),
+        (0, 10, 990)
+    );
+
+    // Seeded again (all 1,000 on the dead server). A master over maxmemory still runs
+    // the script of its group (`allow-oom`: a script with a shebang and without it is
+    // refused up front), as it runs the per-slot script, which only reads and deletes.
+    seed(&f.registry, &f.conn, &dead, 1_000).await;
+    let full = masters(&f.cluster)[0];
+    let on_full = |maxmemory: &str| {
+        let client = redis::Client::open(f.cluster.nodes[full].url()).unwrap();
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("maxmemory")
+            .arg(maxmemory)
+            .query(&mut client.get_connection().unwrap())
+            .unwrap();
+    };
+    on_full("1");
+    for i in masters(&f.cluster) {
+        let client = redis::Client::open(f.cluster.nodes[i].url()).unwrap();
+        let _: () = redis::cmd("CONFIG")
+            .arg("RESETSTAT")
+            .query(&mut client.get_connection().unwrap())
+            .unwrap();
+    }
+    let checked =
+        registry_janitor::forward::check_delete(&f.conn, &f.keys, Layout::Keys, &dead, &ids).await;
+    let calls = evalsha_calls(&f.cluster);
+    on_full("0");
+    let checked = checked.unwrap();
+    assert_eq!((checked.deleted, checked.kept), (1_000, 0));
+    assert!(
+        calls <= 3,
+        "{calls} scripts: the full master refused its script"
+    );
+    assert_eq!(f.still_pointing(&dead, 1_000).await, 0);
+}
+
+/// Resharding all the while: slots (with their keys) move between the masters with
+/// `redis-cli --cluster reshard`, one after another, from before the cleanup starts
+/// until it is acknowledged; meanwhile users of the dead server reconnect to a live one.
+/// The scripts per master meet slots that moved since the slot map was read (MOVED), and
+/// may meet slots being migrated (ASK), and leave those keys to the per-slot scripts
+/// (the test asserts that some did).
+/// Afterwards no entry names the dead server, no live entry is lost, and every user
+/// deleted was announced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_reshard_during_the_cleanup_loses_nothing() {
+    use std::{
+        collections::HashSet,
+        sync::{
+            atomic::{AtomicBool, AtomicUsize, Ordering},
+            Arc,
+        },
+    };
+    let Some(f) = ClusterFixture::start(3, 0, Layout::Keys, 100).await else {
+        return;
+    };
+    let f = Arc::new(f);
+    let (dead, live) = (server("gw-dead#1"), server("gw-live#1"));
+    const USERS: usize = 20_000;
+    const LIVE: usize = 3_000;
+    seed(&f.registry, &f.conn, &dead, USERS).await;
+    seed(&f.registry, &f.conn, &live, LIVE).await;
+    let ids: Vec<Vec<u8>> = (0..USERS).map(|n| user(&dead, n)).collect();
+    // Moved before the event: never deleted, never announced.
+    let moved_before = &ids[..200];
+    for u in moved_before {
+        f.registry.register(&f.conn, u, &live).await.unwrap();
+    }
+    let fallbacks_before = registry_janitor::forward::fallback_users();
+
+    // Reshards one after another until told to stop: 0 -> 1, 1 -> 2, 2 -> 0, ...
+    let stop = Arc::new(AtomicBool::new(false));
+    let started = Arc::new(AtomicUsize::new(0));
+    let reshards = {
+        let (f, stop, started) = (f.clone(), stop.clone(), started.clone());
+        std::thread::spawn(move || -> Result<usize, String> {
+            let mut done = 0;
+            while !stop.load(Ordering::SeqCst) {
+                f.cluster
+                    .wait_settled(Duration::from_secs(60))
+                    .map_err(|e| e.to_string())?;
+                let (from, to) = (done % 3, (done + 1) % 3);
+                started.fetch_add(1, Ordering::SeqCst);
+                f.cluster
+                    .reshard(from, to, 1_000)
+                    .map_err(|e| e.to_string())?;
+                done += 1;
+            }
+            Ok(done)
+        })
+    };
+    wait_until(
+        &f.cluster.nodes[0],
+        "the first reshard started",
+        Duration::from_secs(60),
+        || async { started.load(Ordering::SeqCst) > 0 },
+    )
+    .await;
+
+    let worker = spawn_worker(&f.settings);
+    kill(&f.conn, &f.keys, &dead).await;
+    // Reconnections racing the cleanup (and the reshard): whatever the order, they keep
+    // their new entry.
+    let moved_during = &ids[10_000..10_300];
+    for u in moved_during {
+        loop {
+            match f.registry.register(&f.conn, u, &live).await {
+                Ok(()) => break,
+                Err(e) => eprintln!("register during the reshard, again: {e}"),
+            }
+        }
+    }
+    f.wait_idle(Duration::from_secs(300)).await;
+    let reshards_at_ack = started.load(Ordering::SeqCst);
+    stop.store(true, Ordering::SeqCst);
+    let done = tokio::task::spawn_blocking(move || reshards.join().unwrap())
+        .await
+        .unwrap()
+        .expect("the reshards succeed");
+    f.cluster
+        .wait_settled(Duration::from_secs(60))
+        .expect("the cluster settles");
+    let fallbacks = registry_janitor::forward::fallback_users() - fallbacks_before;
+    eprintln!(
+        "reshards started before the acknowledgement: {reshards_at_ack}, done: {done}; \
+         users checked slot by slot after a master's script: {fallbacks}"
+    );
+    assert!(
+        fallbacks > 0,
+        "no master's script met a slot that moved: the reshard did not overlap the cleanup"
+    );
+
+    // A connection of its own for the checks: the test's own one met the reshards, and
+    // redis-rs may time out a request or two while it catches up with the slot map.
+    let conn = conn::shared_for(&conn::target_for(&f.settings).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(
+        still_pointing(&f.registry, &conn, &dead, USERS).await,
+        0,
+        "stale entries"
+    );
+    assert_eq!(
+        still_pointing(&f.registry, &conn, &live, LIVE).await,
+        LIVE,
+        "live entries lost"
+    );
+    let owners = f.registry.owners(&conn, &ids).await.unwrap();
+    let moved: HashSet<&Vec<u8>> = moved_before.iter().chain(moved_during).collect();
+    for (u, owner) in ids.iter().zip(&owners) {
+        if moved.contains(u) {
+            assert_eq!(
+                owner.as_deref(),
+                Some("gw-live#1"),
+                "{}: a reconnected user lost its entry",
+                String::from_utf8_lossy(u)
+            );
+        } else {
+            assert_eq!(owner.as_deref(), None, "{}", String::from_utf8_lossy(u));
+        }
+    }
+    let (announced, cleaned) = evictions_of(&conn, &f.keys).await;
+    let announced: HashSet<_> = announced
+        .into_iter()
+        .filter(|(s, _)| s == dead.as_str())
+        .map(|(_, u)| u)
+        .collect();
+    let never: Vec<_> = ids
+        .iter()
+        .filter(|u| !moved.contains(u) && !announced.contains(*u))
+        .take(5)
+        .map(|u| String::from_utf8_lossy(u).into_owned())
+        .collect();
+    assert!(never.is_empty(), "deleted and never announced: {never:?}");
+    assert!(
+        moved_before.iter().all(|u| !announced.contains(u)),
+        "a user whose entry was kept was announced"
+    );
+    assert!(!cleaned.is_empty(), "server.cleaned was never announced");
+    worker.stop().await;
+}

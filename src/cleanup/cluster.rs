@@ -1,7 +1,7 @@
 //! The cleanup on a Redis Cluster, where one script cannot touch the reverse set (slot of
-//! `{S}`) and the forward entries (other slots) together. Each chunk is three single-slot
-//! operations: scan (cluster_scan.lua), the check-and-delete per slot
-//! ([`crate::forward::check_delete`]), advance the cursor (cluster_advance.lua).
+//! `{S}`) and the forward entries (other slots) together. Each chunk is three steps:
+//! scan (cluster_scan.lua), the check-and-delete ([`crate::forward::check_delete`]: per
+//! slot, or for layout `keys` per master), advance the cursor (cluster_advance.lua).
 
 use std::sync::LazyLock;
 
@@ -36,8 +36,10 @@ const REPLICATION_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 impl Cleaner {
     /// The cleanup on a Redis Cluster, where one script cannot touch the reverse set
     /// (slot of `{S}`) and the forward entries (other slots) together. Each chunk is three
-    /// single-slot operations: scan (cluster_scan.lua), check-and-delete per slot
-    /// (check_delete.lua, many slots in flight), advance the cursor (cluster_advance.lua).
+    /// steps: scan (cluster_scan.lua), check-and-delete (check_delete.lua on the slot of
+    /// `registry`, or for layout `keys` check_delete_node.lua per master, with
+    /// check_delete.lua per slot for the keys of moving slots), advance the cursor
+    /// (cluster_advance.lua).
     /// The cursor moves only after the chunk's deletes, so a crash repeats a chunk and
     /// never skips one. Replication is asynchronous, so a failover can lose deletes the
     /// old master acknowledged, and redis-rs rides out a failover without an error ever

@@ -112,3 +112,184 @@ pub async fn cluster_epoch(conn: &RedisConn) -> Result<u64> {
         .and_then(|v| v.trim().parse().ok())
         .ok_or_else(|| Error::Protocol("CLUSTER INFO without cluster_current_epoch".into()))
 }
+
+/// Number of hash slots of a Redis Cluster.
+const SLOTS: usize = 16384;
+
+/// The hash slot of `key` (CRC16-XMODEM of the key, or of its hash tag, modulo 16384),
+/// as Redis computes it.
+pub fn key_slot(key: &[u8]) -> u16 {
+    let tagged = key
+        .iter()
+        .position(|&b| b == b'{')
+        .and_then(|open| {
+            let rest = &key[open + 1..];
+            let close = rest.iter().position(|&b| b == b'}')?;
+            (close > 0).then(|| &rest[..close])
+        })
+        .unwrap_or(key);
+    (crc16_xmodem(tagged) as usize % SLOTS) as u16
+}
+
+fn crc16_xmodem(data: &[u8]) -> u16 {
+    static TABLE: std::sync::LazyLock<[u16; 256]> = std::sync::LazyLock::new(|| {
+        let mut table = [0u16; 256];
+        for (i, entry) in table.iter_mut().enumerate() {
+            let mut crc = (i as u16) << 8;
+            for _ in 0..8 {
+                crc = if crc & 0x8000 != 0 {
+                    (crc << 1) ^ 0x1021
+                } else {
+                    crc << 1
+                };
+            }
+            *entry = crc;
+        }
+        table
+    });
+    data.iter().fold(0u16, |crc, &b| {
+        (crc << 8) ^ TABLE[((crc >> 8) as u8 ^ b) as usize]
+    })
+}
+
+/// Which master serves each slot, as one node saw it (CLUSTER SLOTS): masters are
+/// numbered, so that keys can be grouped by the node that serves them.
+#[derive(Debug)]
+pub struct SlotOwners {
+    /// Per slot, the number of its master; `u16::MAX` for a slot no node serves.
+    owner: Vec<u16>,
+    masters: usize,
+}
+
+impl SlotOwners {
+    /// The number (0..[`SlotOwners::masters`]) of the master serving `slot`, if any.
+    pub fn master_of(&self, slot: u16) -> Option<u16> {
+        self.owner
+            .get(slot as usize)
+            .copied()
+            .filter(|&m| m != u16::MAX)
+    }
+
+    /// How many masters serve slots.
+    pub fn masters(&self) -> usize {
+        self.masters
+    }
+}
+
+/// The slot map as read from one node now (CLUSTER SLOTS).
+pub(super) async fn read_slot_owners(conn: &RedisConn) -> Result<SlotOwners> {
+    let reply: redis::Value = redis::cmd("CLUSTER")
+        .arg("SLOTS")
+        .query_async(&mut conn.clone())
+        .await?;
+    parse_slot_owners(reply)
+}
+
+fn parse_slot_owners(reply: redis::Value) -> Result<SlotOwners> {
+    use redis::Value;
+    let bad = || Error::Protocol("CLUSTER SLOTS reply of an unknown form".into());
+    let Value::Array(ranges) = reply else {
+        return Err(bad());
+    };
+    let mut owner = vec![u16::MAX; SLOTS];
+    let mut masters: Vec<(Vec<u8>, i64)> = Vec::new();
+    for range in ranges {
+        let Value::Array(fields) = range else {
+            return Err(bad());
+        };
+        let (Some(Value::Int(start)), Some(Value::Int(end)), Some(Value::Array(master))) =
+            (fields.first(), fields.get(1), fields.get(2))
+        else {
+            return Err(bad());
+        };
+        // The master's (endpoint, port): an empty endpoint means the answering node, and
+        // is the same name for each of its ranges.
+        let endpoint = match master.first() {
+            Some(Value::BulkString(host)) => host.clone(),
+            _ => Vec::new(),
+        };
+        let Some(Value::Int(port)) = master.get(1) else {
+            return Err(bad());
+        };
+        let id = (endpoint, *port);
+        let number = match masters.iter().position(|m| *m == id) {
+            Some(n) => n,
+            None => {
+                masters.push(id);
+                masters.len() - 1
+            }
+        };
+        let (start, end) = (*start as usize, *end as usize);
+        if start > end || end >= SLOTS {
+            return Err(bad());
+        }
+        owner[start..=end].fill(number as u16);
+    }
+    Ok(SlotOwners {
+        owner,
+        masters: masters.len(),
+    })
+}
+
+/// The slot map a [`RedisConn`] keeps (see [`RedisConn::slot_owners`]).
+#[derive(Default)]
+pub struct SlotCache(std::sync::Mutex<Option<std::sync::Arc<SlotOwners>>>);
+
+impl SlotCache {
+    pub(super) fn get(&self) -> Option<std::sync::Arc<SlotOwners>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub(super) fn set(&self, owners: std::sync::Arc<SlotOwners>) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(owners);
+    }
+
+    pub(super) fn forget(&self) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_slots_are_those_of_redis() {
+        // Values from CLUSTER KEYSLOT on Redis 7.0.
+        assert_eq!(key_slot(b"a"), 15495);
+        assert_eq!(key_slot(b"b"), 3300);
+        assert_eq!(key_slot(b"n"), 3432);
+        assert_eq!(key_slot(b"123456789"), 0x31c3);
+        // A hash tag: only what is between the first { and the next }.
+        assert_eq!(key_slot(b"x{a}y"), key_slot(b"a"));
+        assert_eq!(key_slot(b"x{}y"), 16116);
+        assert_eq!(key_slot(b"{user1000}.following"), 3443);
+    }
+
+    #[test]
+    fn slot_owners_number_the_masters() {
+        use redis::Value;
+        let node = |host: &str, port: i64| {
+            Value::Array(vec![
+                Value::BulkString(host.as_bytes().to_vec()),
+                Value::Int(port),
+            ])
+        };
+        let reply = Value::Array(vec![
+            Value::Array(vec![Value::Int(0), Value::Int(99), node("10.0.0.1", 7000)]),
+            Value::Array(vec![
+                Value::Int(100),
+                Value::Int(16383),
+                node("10.0.0.2", 7000),
+                node("10.0.0.3", 7000),
+            ]),
+            Value::Array(vec![Value::Int(5), Value::Int(5), node("10.0.0.1", 7000)]),
+        ]);
+        let owners = parse_slot_owners(reply).unwrap();
+        assert_eq!(owners.masters(), 2);
+        assert_eq!(owners.master_of(0), Some(0));
+        assert_eq!(owners.master_of(100), Some(1));
+        assert_eq!(owners.master_of(16383), Some(1));
+        assert_eq!(owners.master_of(16384), None);
+    }
+}

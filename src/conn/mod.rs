@@ -35,7 +35,8 @@ use crate::{
 mod cluster;
 mod sentinel;
 pub use cluster::{
-    cluster_epoch, cluster_masters, cluster_min_replicas, node_client, wait_replicated,
+    cluster_epoch, cluster_masters, cluster_min_replicas, key_slot, node_client, wait_replicated,
+    SlotOwners,
 };
 pub use sentinel::{SentinelConn, SentinelTarget};
 
@@ -249,10 +250,13 @@ fn config(response_timeout: Duration) -> ConnectionManagerConfig {
 
 /// A connection to one Redis node, to a Redis Cluster, or to the primary that Redis
 /// Sentinel names. Cheap to clone: clones share the underlying multiplexed connection.
+///
+/// On a cluster it also holds the slot map as this process last read it
+/// ([`RedisConn::slot_owners`]), shared by the clones.
 #[derive(Clone)]
 pub enum RedisConn {
     Single(ConnectionManager),
-    Cluster(ClusterConnection),
+    Cluster(ClusterConnection, std::sync::Arc<cluster::SlotCache>),
     Sentinel(SentinelConn),
 }
 
@@ -260,7 +264,53 @@ impl RedisConn {
     /// True on a Redis Cluster: multi-key commands, scripts and pipelines must stay in
     /// one slot there.
     pub fn is_cluster(&self) -> bool {
-        matches!(self, RedisConn::Cluster(_))
+        matches!(self, RedisConn::Cluster(..))
+    }
+
+    /// A connection to the cluster behind `conn`, with an empty slot map.
+    fn cluster(conn: ClusterConnection) -> Self {
+        RedisConn::Cluster(conn, Default::default())
+    }
+
+    /// On a cluster, which master serves each slot: read with CLUSTER SLOTS when first
+    /// asked for, or after [`RedisConn::forget_slot_owners`], and kept meanwhile. It
+    /// may be out of date (a reshard, a failover), so it serves to group keys by node,
+    /// never to decide where a key is: whoever uses it must cope with a node that no
+    /// longer serves a key. `None` on one node.
+    pub async fn slot_owners(&self) -> Result<Option<std::sync::Arc<SlotOwners>>> {
+        let RedisConn::Cluster(_, cache) = self else {
+            return Ok(None);
+        };
+        if let Some(owners) = cache.get() {
+            return Ok(Some(owners));
+        }
+        let owners = std::sync::Arc::new(cluster::read_slot_owners(self).await?);
+        cache.set(owners.clone());
+        Ok(Some(owners))
+    }
+
+    /// The slot map is out of date (a node answered for keys it no longer serves): the
+    /// next [`RedisConn::slot_owners`] reads it again.
+    pub fn forget_slot_owners(&self) {
+        if let RedisConn::Cluster(_, cache) = self {
+            cache.forget();
+        }
+    }
+
+    /// On a cluster, runs `cmd` on the master that serves `slot` (by redis-rs's own slot
+    /// map), whatever keys `cmd` names; elsewhere, on the one node.
+    pub async fn on_master_of(&self, slot: u16, cmd: redis::Cmd) -> Result<redis::Value> {
+        use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+        match self {
+            RedisConn::Cluster(c, _) => {
+                let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(
+                    Route::new(slot, SlotAddr::Master),
+                ));
+                // A server error comes back as a value here: made an error again.
+                Ok(c.clone().route_command(cmd, route).await?.extract_error()?)
+            }
+            _ => Ok(cmd.query_async(&mut self.clone()).await?),
+        }
     }
 }
 
@@ -268,7 +318,7 @@ impl redis::aio::ConnectionLike for RedisConn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> RedisFuture<'a, redis::Value> {
         match self {
             RedisConn::Single(c) => c.req_packed_command(cmd),
-            RedisConn::Cluster(c) => c.req_packed_command(cmd),
+            RedisConn::Cluster(c, _) => c.req_packed_command(cmd),
             RedisConn::Sentinel(c) => c.req_packed_command(cmd),
         }
     }
@@ -281,7 +331,7 @@ impl redis::aio::ConnectionLike for RedisConn {
     ) -> RedisFuture<'a, Vec<redis::Value>> {
         match self {
             RedisConn::Single(c) => c.req_packed_commands(cmd, offset, count),
-            RedisConn::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+            RedisConn::Cluster(c, _) => c.req_packed_commands(cmd, offset, count),
             RedisConn::Sentinel(c) => c.req_packed_commands(cmd, offset, count),
         }
     }
@@ -289,7 +339,7 @@ impl redis::aio::ConnectionLike for RedisConn {
     fn get_db(&self) -> i64 {
         match self {
             RedisConn::Single(c) => c.get_db(),
-            RedisConn::Cluster(c) => c.get_db(),
+            RedisConn::Cluster(c, _) => c.get_db(),
             RedisConn::Sentinel(c) => c.get_db(),
         }
     }
@@ -348,7 +398,7 @@ pub fn target_for(settings: &Settings) -> Result<Target> {
 pub async fn shared_for(target: &Target) -> Result<RedisConn> {
     match target {
         Target::Single(client) => shared(client),
-        Target::Cluster(client) => Ok(RedisConn::Cluster(client.get_async_connection().await?)),
+        Target::Cluster(client) => Ok(RedisConn::cluster(client.get_async_connection().await?)),
         Target::Sentinel(target) => Ok(RedisConn::Sentinel(SentinelConn::new(
             target.clone(),
             COMMAND_TIMEOUT,
@@ -364,7 +414,7 @@ pub async fn blocking_for(target: &Target, block: Duration) -> Result<RedisConn>
             let config = redis::cluster::ClusterConfig::new()
                 .set_response_timeout(block + COMMAND_TIMEOUT)
                 .set_connection_timeout(CONNECT_TIMEOUT);
-            Ok(RedisConn::Cluster(
+            Ok(RedisConn::cluster(
                 client.get_async_connection_with_config(config).await?,
             ))
         }

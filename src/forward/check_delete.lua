@@ -1,5 +1,7 @@
 -- Cluster cleanup, part 2 of a chunk: the atomic check-and-delete, in one slot. Deletes
 -- each forward entry that still names the dead server; counts those that name another.
+-- (Layout keys: check_delete_node.lua does this per master; this per-slot script takes
+-- the keys a master did not serve, its slot moving.)
 --
 -- Layout hash: KEYS[1] registry, ARGV[3..] user ids.
 -- Layout keys: KEYS = forward keys (all in one slot).

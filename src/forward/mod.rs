@@ -43,16 +43,161 @@ pub struct Checked {
     pub absent_users: Vec<Vec<u8>>,
 }
 
-/// Check-and-delete of `users`' forward entries that still name `server`: one script per
-/// slot (one call for layout `hash`, whose entries share the `registry` key; for layout
-/// `keys`, the users grouped by slot, many calls in flight). Kept are entries that name
-/// another server now. Works on one node and on a cluster.
+/// Check-and-delete of `users`' forward entries that still name `server`. Kept are
+/// entries that name another server now. Works on one node and on a cluster: one call
+/// for layout `hash` (its entries share the `registry` key); for layout `keys` on a
+/// cluster, one script per master (`check_delete_node.lua`, the users grouped by the
+/// master that serves their slot), and one per slot (`check_delete.lua`) for the users
+/// whose slot is moving or whose node did not answer.
 pub async fn check_delete(
     conn: &RedisConn,
     keys: &Keys,
     layout: Layout,
     server: &ServerId,
     users: &[Vec<u8>],
+) -> Result<Checked> {
+    if users.is_empty() {
+        return Ok(Checked::default());
+    }
+    if layout == Layout::Keys && conn.is_cluster() {
+        return check_delete_by_node(conn, keys, server, users).await;
+    }
+    check_delete_by_slot(conn, keys, layout, server, users.iter().collect()).await
+}
+
+/// Users that a master's script did not check (their slot moved or is moving, or the
+/// script failed) and that went through the per-slot scripts, in this process.
+static FALLBACK_USERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many users, in this process so far, a master's check-and-delete script on a
+/// cluster left to the per-slot scripts (a slot moving, a node not answering). For tests
+/// and diagnostics.
+pub fn fallback_users() -> u64 {
+    FALLBACK_USERS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The script of one master: `check_delete.lua` for many slots (see the script).
+static CHECK_DELETE_NODE: LazyLock<redis::Script> =
+    LazyLock::new(|| redis::Script::new(CHECK_DELETE_NODE_CODE));
+const CHECK_DELETE_NODE_CODE: &str = include_str!("check_delete_node.lua");
+
+/// Layout `keys` on a cluster: the users grouped by the master that serves their slot
+/// (by this process's slot map), one `check_delete_node.lua` per master, all at once.
+/// The users that a master did not serve (a slot moved or moving: its script reports
+/// them), or of a master whose script failed (a failover, a node not connected), go
+/// through the per-slot scripts, which redis-rs routes and redirects; the slot map is
+/// then read again before the next chunk.
+async fn check_delete_by_node(
+    conn: &RedisConn,
+    keys: &Keys,
+    server: &ServerId,
+    users: &[Vec<u8>],
+) -> Result<Checked> {
+    let mut checked = Checked::default();
+    let mut elsewhere: Vec<&Vec<u8>> = Vec::new();
+    let owners = match conn.slot_owners().await {
+        Ok(owners) => owners,
+        Err(e) => {
+            tracing::debug!(error = %e, "no slot map: checking the chunk slot by slot");
+            None
+        }
+    };
+    let Some(owners) = owners else {
+        return check_delete_by_slot(conn, keys, Layout::Keys, server, users.iter().collect())
+            .await;
+    };
+    // Per master: a slot it serves (where the script is sent) and its users.
+    type Group<'a> = Option<(u16, Vec<&'a Vec<u8>>)>;
+    let mut groups: Vec<Group> = Vec::new();
+    groups.resize_with(owners.masters(), || None);
+    for u in users {
+        let slot = crate::conn::key_slot(&keys.user(u));
+        match owners.master_of(slot) {
+            Some(m) => groups[m as usize]
+                .get_or_insert_with(|| (slot, Vec::new()))
+                .1
+                .push(u),
+            None => elsewhere.push(u),
+        }
+    }
+    let mut in_flight = FuturesUnordered::new();
+    for (slot, users) in groups.into_iter().flatten() {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(CHECK_DELETE_NODE.get_hash())
+            .arg(0)
+            .arg(server.as_str());
+        for u in &users {
+            cmd.arg(keys.user(u));
+        }
+        in_flight.push(async move { (on_node(conn, slot, cmd).await, users) });
+    }
+    while let Some((reply, users)) = in_flight.next().await {
+        let (deleted, kept, deleted_at, absent_at, elsewhere_at) = match reply {
+            Ok(reply) => reply,
+            Err(e) => {
+                tracing::debug!(error = %e, users = users.len(), "a master's check-and-delete failed: checking its users slot by slot");
+                elsewhere.extend(users);
+                continue;
+            }
+        };
+        checked.deleted += deleted;
+        checked.kept += kept;
+        let at = |i: usize| users.get(i.wrapping_sub(1)).copied();
+        checked
+            .deleted_users
+            .extend(deleted_at.into_iter().filter_map(at).cloned());
+        checked
+            .absent_users
+            .extend(absent_at.into_iter().filter_map(at).cloned());
+        elsewhere.extend(elsewhere_at.into_iter().filter_map(at));
+    }
+    if !elsewhere.is_empty() {
+        tracing::debug!(
+            users = elsewhere.len(),
+            "users not served where the slot map said: checking them slot by slot"
+        );
+        FALLBACK_USERS.fetch_add(elsewhere.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        conn.forget_slot_owners();
+        let more = check_delete_by_slot(conn, keys, Layout::Keys, server, elsewhere).await?;
+        checked.deleted += more.deleted;
+        checked.kept += more.kept;
+        checked.deleted_users.extend(more.deleted_users);
+        checked.absent_users.extend(more.absent_users);
+    }
+    Ok(checked)
+}
+
+/// What `check_delete_node.lua` returns: deleted, kept, and the positions deleted,
+/// absent, and not served by that node.
+type NodeReply = (u64, u64, Vec<usize>, Vec<usize>, Vec<usize>);
+
+/// `cmd` (an EVALSHA of `check_delete_node.lua`) on the master of `slot`, loading the
+/// script there first if that node does not have it.
+async fn on_node(conn: &RedisConn, slot: u16, cmd: redis::Cmd) -> Result<NodeReply> {
+    let reply = match conn.on_master_of(slot, cmd.clone()).await {
+        Err(crate::error::Error::Redis(e)) if e.code() == Some("NOSCRIPT") => {
+            let load = redis::cmd("SCRIPT")
+                .arg("LOAD")
+                .arg(CHECK_DELETE_NODE_CODE)
+                .to_owned();
+            conn.on_master_of(slot, load).await?;
+            conn.on_master_of(slot, cmd).await?
+        }
+        other => other?,
+    };
+    redis::from_redis_value(reply)
+        .map_err(|e| crate::error::Error::Protocol(format!("check_delete_node.lua replied: {e}")))
+}
+
+/// Check-and-delete of `users`' forward entries that still name `server`: one script per
+/// slot (one call for layout `hash`, whose entries share the `registry` key; for layout
+/// `keys`, the users grouped by slot, many calls in flight).
+async fn check_delete_by_slot(
+    conn: &RedisConn,
+    keys: &Keys,
+    layout: Layout,
+    server: &ServerId,
+    users: Vec<&Vec<u8>>,
 ) -> Result<Checked> {
     let mut checked = Checked::default();
     if users.is_empty() {
@@ -64,19 +209,17 @@ pub async fn check_delete(
         Layout::Hash => {
             let mut call = CHECK_DELETE.prepare_invoke();
             call.key(keys.registry()).arg(server.as_str()).arg("hash");
-            for u in users {
-                call.arg(u);
+            for u in &users {
+                call.arg(*u);
             }
-            calls.push((call, users.iter().collect::<Vec<_>>()));
+            calls.push((call, users));
         }
         Layout::Keys => {
-            let mut by_slot: std::collections::HashMap<
-                redis::cluster_routing::Slot,
-                Vec<&Vec<u8>>,
-            > = std::collections::HashMap::new();
+            let mut by_slot: std::collections::HashMap<u16, Vec<&Vec<u8>>> =
+                std::collections::HashMap::new();
             for u in users {
                 by_slot
-                    .entry(redis::cluster_routing::Slot::for_key(keys.user(u)))
+                    .entry(crate::conn::key_slot(&keys.user(u)))
                     .or_default()
                     .push(u);
             }

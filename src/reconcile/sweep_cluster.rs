@@ -23,7 +23,7 @@ impl Reconciler {
     /// The forward sweep on a cluster: HSCAN of `registry` through the cluster connection
     /// (layout hash), or SCAN of `user:*` on every master over a connection of its own
     /// (layout keys); owners checked with single-key commands; entries of dead owners
-    /// deleted by the same per-slot check-and-delete as the cleanup (`check_delete.lua`).
+    /// deleted by the same check-and-delete as the cleanup ([`crate::forward::check_delete`]).
     /// Then the reverse sets of live servers, as on one node but in two single-slot
     /// scripts around a read of the owners ([`Reconciler::sweep_reverse_step_on_cluster`]).
     /// A cycle always starts at the beginning. Each

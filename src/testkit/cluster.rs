@@ -182,6 +182,70 @@ impl RedisCluster {
         }
     }
 
+    /// The node id of node `i` (CLUSTER MYID), if it answers.
+    pub fn node_id(&self, i: usize) -> Option<String> {
+        self.nodes[i].query_text(redis::cmd("CLUSTER").arg("MYID"))
+    }
+
+    /// Waits until `redis-cli --cluster check` finds nothing to say: every node agrees
+    /// about the slots, none is open (migrating or importing), all are covered.
+    pub fn wait_settled(&self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let out = Command::new(super::server::cli_binary())
+                .args(["--cluster", "check", &self.seed_addr()])
+                .output()
+                .map_err(|e| Error::io("running redis-cli --cluster check", e))?;
+            let text = String::from_utf8_lossy(&out.stdout).into_owned();
+            if out.status.success() && !text.contains("[ERR]") && !text.contains("[WARNING]") {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(Error::LocalRedis(format!(
+                    "the cluster did not settle in time:\n{text}"
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Moves `slots` hash slots, with their keys, from master `from` to master `to`
+    /// (node indexes), as an operator does: `redis-cli --cluster reshard`. Returns when
+    /// the move is done. Each slot is migrated while its keys are in use: MIGRATE moves
+    /// its keys in batches, meanwhile the source answers ASK for a key already moved (and
+    /// TRYAGAIN for a command on several keys of it), and at the end the slot is given
+    /// to `to` (MOVED from then on).
+    pub fn reshard(&self, from: usize, to: usize, slots: usize) -> Result<()> {
+        let id = |i: usize| {
+            self.node_id(i)
+                .ok_or_else(|| Error::LocalRedis(format!("node {i} does not answer")))
+        };
+        let out = Command::new(super::server::cli_binary())
+            .args(["--cluster", "reshard", &self.seed_addr()])
+            .args(["--cluster-from", &id(from)?, "--cluster-to", &id(to)?])
+            .args(["--cluster-slots", &slots.to_string(), "--cluster-yes"])
+            .output()
+            .map_err(|e| Error::io("running redis-cli --cluster reshard", e))?;
+        if !out.status.success() {
+            return Err(Error::LocalRedis(format!(
+                "redis-cli --cluster reshard failed: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            )));
+        }
+        Ok(())
+    }
+
+    /// host:port of the first running node, for redis-cli --cluster.
+    fn seed_addr(&self) -> String {
+        let node = self
+            .nodes
+            .iter()
+            .find(|n| n.child.is_some())
+            .unwrap_or(&self.nodes[0]);
+        format!("127.0.0.1:{}", node.port())
+    }
+
     /// The node index of the master that serves `key`'s slot now.
     pub fn master_of(&self, key: &[u8]) -> Option<usize> {
         for (i, node) in self
