@@ -163,32 +163,38 @@ pub async fn run(settings: &Settings, options: &Options, worker_exe: &Path) -> R
         worker_exe: &worker_exe,
         zone,
     };
-    let mut out = Vec::new();
-    for &target in &targets {
-        for order in &orders {
-            let mut repeats = Vec::new();
-            for _ in 0..options.repeat.max(1) {
-                repeats.push(
-                    b.run_once("zone", zone, options.workers, target, order)
-                        .await?,
-                );
-                repeats.push(b.run_once("single", 1, 1, target, order).await?);
-            }
-            let zone_run = median(&repeats, "zone");
-            let single = median(&repeats, "single");
-            eprintln!(
-                "latency_target_ms {target}, step_order {order}: zone {:.0} users/s, lookup p99 {} us, max {} us; single {:.0} users/s",
-                zone_run.users_per_second, zone_run.lookup_p99_us, zone_run.lookup_max_us, single.users_per_second
+    // Repetitions outermost, so that every setting sees the same load conditions in turn
+    // (on a shared machine the load drifts).
+    let combos: Vec<(u64, String)> = targets
+        .iter()
+        .flat_map(|&t| orders.iter().map(move |o| (t, o.clone())))
+        .collect();
+    let mut repeats: Vec<Vec<ZoneRun>> = vec![Vec::new(); combos.len()];
+    for _ in 0..options.repeat.max(1) {
+        for (i, (target, order)) in combos.iter().enumerate() {
+            repeats[i].push(
+                b.run_once("zone", zone, options.workers, *target, order)
+                    .await?,
             );
-            out.push(ZoneSetting {
-                latency_target_ms: target,
-                step_order: order.clone(),
-                throughput_vs_single: zone_run.users_per_second / single.users_per_second.max(1e-9),
-                zone: zone_run,
-                single,
-                repeats,
-            });
+            repeats[i].push(b.run_once("single", 1, 1, *target, order).await?);
         }
+    }
+    let mut out = Vec::new();
+    for ((target, order), repeats) in combos.into_iter().zip(repeats) {
+        let zone_run = median(&repeats, "zone");
+        let single = median(&repeats, "single");
+        eprintln!(
+            "latency_target_ms {target}, step_order {order}: zone {:.0} users/s, lookup p99 {} us, max {} us; single {:.0} users/s",
+            zone_run.users_per_second, zone_run.lookup_p99_us, zone_run.lookup_max_us, single.users_per_second
+        );
+        out.push(ZoneSetting {
+            latency_target_ms: target,
+            step_order: order,
+            throughput_vs_single: zone_run.users_per_second / single.users_per_second.max(1e-9),
+            zone: zone_run,
+            single,
+            repeats,
+        });
     }
     Ok(ZoneReport {
         redis_version,
