@@ -56,6 +56,12 @@ pub struct ZoneRun {
     pub lookup_p50_us: u64,
     pub lookup_p99_us: u64,
     pub lookup_max_us: u64,
+    /// The same probe in the second before the events, Redis idle: the floor that the
+    /// machine itself sets (on a loaded machine, scheduling delays dominate).
+    pub idle_lookups: usize,
+    pub idle_lookup_p50_us: u64,
+    pub idle_lookup_p99_us: u64,
+    pub idle_lookup_max_us: u64,
     /// Per event, XADD to acknowledgement, in ms.
     pub stale_window_p50_ms: f64,
     pub stale_window_p99_ms: f64,
@@ -276,7 +282,8 @@ impl ZoneBench<'_> {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         let probe = self.spawn_probe(&scene.keys)?;
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // A second of lookups with Redis idle first: the machine's own floor.
+        tokio::time::sleep(Duration::from_millis(1000)).await;
         let cpu_before = redis_cpu(self.conn).await?;
         // Every event at once: one pipeline of XADDs.
         let mut pipe = redis::pipe();
@@ -343,6 +350,12 @@ impl ZoneBench<'_> {
             .map(|&(_, us)| us)
             .collect();
         latencies.sort_unstable();
+        let mut idle: Vec<u64> = lookups
+            .iter()
+            .filter(|(at_ms, _)| *at_ms + 900 >= first_add && *at_ms < first_add)
+            .map(|&(_, us)| us)
+            .collect();
+        idle.sort_unstable();
         let (stale_left, live_lost) = scene.verify(self.conn).await?;
         conn::delete_prefixed(self.settings, self.conn, &prefix).await?;
         let users = servers * users_per_server;
@@ -363,6 +376,10 @@ impl ZoneBench<'_> {
             lookup_p50_us: percentile(&latencies, 0.50),
             lookup_p99_us: percentile(&latencies, 0.99),
             lookup_max_us: latencies.last().copied().unwrap_or(0),
+            idle_lookups: idle.len(),
+            idle_lookup_p50_us: percentile(&idle, 0.50),
+            idle_lookup_p99_us: percentile(&idle, 0.99),
+            idle_lookup_max_us: idle.last().copied().unwrap_or(0),
             stale_window_p50_ms: fpct(0.50),
             stale_window_p99_ms: fpct(0.99),
             stale_window_mean_ms: windows.iter().sum::<f64>() / windows.len().max(1) as f64,
@@ -602,6 +619,10 @@ fn median(runs: &[ZoneRun], name: &str) -> ZoneRun {
         lookup_p50_us: u(|r| r.lookup_p50_us),
         lookup_p99_us: u(|r| r.lookup_p99_us),
         lookup_max_us: of.iter().map(|r| r.lookup_max_us).max().unwrap_or(0),
+        idle_lookups: u(|r| r.idle_lookups as u64) as usize,
+        idle_lookup_p50_us: u(|r| r.idle_lookup_p50_us),
+        idle_lookup_p99_us: u(|r| r.idle_lookup_p99_us),
+        idle_lookup_max_us: of.iter().map(|r| r.idle_lookup_max_us).max().unwrap_or(0),
         stale_window_p50_ms: f(|r| r.stale_window_p50_ms),
         stale_window_p99_ms: f(|r| r.stale_window_p99_ms),
         stale_window_mean_ms: f(|r| r.stale_window_mean_ms),
@@ -666,8 +687,13 @@ impl fmt::Display for ZoneReport {
             }
             writeln!(
                 f,
-                "{:>6} {:<14} throughput vs one server alone: {:.2}x",
-                s.latency_target_ms, s.step_order, s.throughput_vs_single
+                "{:>6} {:<14} throughput vs one server alone: {:.2}x; lookups with Redis idle (the machine's floor): p50 {} us, p99 {} us, max {} us",
+                s.latency_target_ms,
+                s.step_order,
+                s.throughput_vs_single,
+                s.zone.idle_lookup_p50_us,
+                s.zone.idle_lookup_p99_us,
+                s.zone.idle_lookup_max_us
             )?;
         }
         Ok(())
