@@ -11,7 +11,11 @@
 //! - a delay above `latency_target_ms` halves the window (floor 1), at most once per round
 //!   trip: only a step sent after the last cut can cut again;
 //! - otherwise the window grows by one per window's worth of completed steps, up to
-//!   `concurrency * chunks_in_flight` (what the worker would queue without a limiter).
+//!   `concurrency * chunks_in_flight` (what the worker would queue without a limiter);
+//! - at the floor of one step, W workers still keep W steps queued; a delay over the target
+//!   there starts pacing instead: a pause before each step (250 us, doubled per round trip
+//!   while the delay stays over, at most 20 targets), halved per step under the target;
+//!   the window grows again only once the pause is gone.
 //!
 //! Every worker that sees the queue grow backs off, so the fleet's queue converges near the
 //! target whatever the number of processes. A step acquires a permit before it is sent;
@@ -28,6 +32,10 @@ use std::{
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
+
+/// The shortest pause when pacing, and the longest, in targets.
+const MIN_PAUSE: Duration = Duration::from_micros(250);
+const MAX_PAUSE_TARGETS: u32 = 20;
 
 /// Which waiting step gets the next permit (the `step_order` setting).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -84,6 +92,8 @@ struct State {
     grown: usize,
     last_cut: Option<Instant>,
     cuts: u64,
+    /// At the floor of one step, a pause before each step (see [`Limiter::acquire`]).
+    pause: Duration,
     /// Steps waiting for a permit, smallest key first.
     waiting: BinaryHeap<Reverse<Waiter>>,
     asked: u64,
@@ -171,6 +181,7 @@ impl Limiter {
                 grown: 0,
                 last_cut: None,
                 cuts: 0,
+                pause: Duration::ZERO,
                 waiting: BinaryHeap::new(),
                 asked: 0,
             }),
@@ -222,22 +233,43 @@ impl Limiter {
             if state.waiting.is_empty() && state.in_flight < state.window {
                 state.in_flight += 1;
                 self.show(&state);
-                return self.permit();
+                Err((self.permit(), state.pause))
+            } else {
+                let (tx, rx) = oneshot::channel();
+                let key = match self.order {
+                    StepOrder::SmallestFirst => members_left,
+                    StepOrder::RoundRobin => 0,
+                };
+                let asked = state.asked;
+                state.waiting.push(Reverse(Waiter {
+                    key: (key, asked),
+                    grant: tx,
+                }));
+                Ok(rx)
             }
-            let (tx, rx) = oneshot::channel();
-            let key = match self.order {
-                StepOrder::SmallestFirst => members_left,
-                StepOrder::RoundRobin => 0,
-            };
-            let asked = state.asked;
-            state.waiting.push(Reverse(Waiter {
-                key: (key, asked),
-                grant: tx,
-            }));
-            rx
+        };
+        let rx = match rx {
+            Ok(rx) => rx,
+            Err((permit, pause)) => return self.paced(permit, pause).await,
         };
         // The sender is only dropped by the limiter, which is alive while we hold it.
-        rx.await.expect("the limiter grants or is alive")
+        let permit = rx.await.expect("the limiter grants or is alive");
+        let pause = self.state.lock().expect("limiter lock").pause;
+        self.paced(permit, pause).await
+    }
+
+    /// Holds `permit` for `pause` before the step may go: with a window of one, the whole
+    /// process waits, so its share of Redis drops below one step at a time.
+    async fn paced(&self, permit: Permit, pause: Duration) -> Permit {
+        if !pause.is_zero() {
+            tokio::time::sleep(pause).await;
+        }
+        permit
+    }
+
+    /// The pause before each step now (zero unless the window is at its floor of one).
+    pub fn pause(&self) -> Duration {
+        self.state.lock().expect("limiter lock").pause
     }
 
     fn permit(self: &Arc<Self>) -> Permit {
@@ -257,16 +289,29 @@ impl Limiter {
             }
             if delay > self.target {
                 // Once per round trip: a step sent before the last cut saw the old window.
-                // At the floor there is nothing to cut (and no cut is counted).
                 state.grown = 0;
-                if state.window > 1 && state.last_cut.is_none_or(|cut| sent > cut) {
-                    state.window = (state.window / 2).max(1);
+                if state.last_cut.is_none_or(|cut| sent > cut) {
                     state.last_cut = Some(Instant::now());
-                    state.grown = 0;
-                    state.cuts += 1;
-                    if let Some(m) = &self.metrics {
-                        m.cuts.inc();
+                    if state.window > 1 {
+                        state.window = (state.window / 2).max(1);
+                        state.cuts += 1;
+                        if let Some(m) = &self.metrics {
+                            m.cuts.inc();
+                        }
+                    } else {
+                        // At the floor of one step: W workers still keep W steps queued.
+                        // Below that, pace: a pause before each step, doubled while the
+                        // delay stays over the target, at most 20 targets.
+                        state.pause = (state.pause * 2)
+                            .max(MIN_PAUSE)
+                            .min(self.target * MAX_PAUSE_TARGETS);
                     }
+                }
+            } else if !state.pause.is_zero() {
+                // Pacing ends first (halved per good step), then the window grows.
+                state.pause /= 2;
+                if state.pause < MIN_PAUSE {
+                    state.pause = Duration::ZERO;
                 }
             } else {
                 state.grown += 1;
@@ -358,12 +403,56 @@ mod tests {
         }
         assert_eq!(l.window(), 1);
         assert_eq!(l.cuts(), 3);
-        // And it grows back.
+        // And it grows back, once the pacing at the floor is over.
+        while !l.pause().is_zero() {
+            let p = l.acquire(10).await;
+            step_with_delay(&l, p, Duration::ZERO);
+        }
+        assert_eq!(l.window(), 1);
         for _ in 0..3 {
             let p = l.acquire(10).await;
             step_with_delay(&l, p, Duration::ZERO);
         }
         assert_eq!(l.window(), 3);
+    }
+
+    #[tokio::test]
+    async fn at_the_floor_a_slow_step_paces_and_fast_steps_end_it_before_the_window_grows() {
+        let l = limiter(8);
+        // The first cuts the window from 2 to 1; then pacing starts.
+        for _ in 0..3 {
+            let p = l.acquire(10).await;
+            step_with_delay(&l, p, 5 * MS);
+        }
+        assert_eq!(l.window(), 1);
+        assert_eq!(
+            l.pause(),
+            Duration::from_micros(500),
+            "250 us, then doubled"
+        );
+        for _ in 0..20 {
+            let p = l.acquire(10).await;
+            step_with_delay(&l, p, 5 * MS);
+        }
+        assert_eq!(l.pause(), 20 * MS, "at most 20 targets");
+        let started = Instant::now();
+        let p = l.acquire(10).await;
+        assert!(
+            started.elapsed() >= 20 * MS,
+            "the step waited out the pause"
+        );
+        step_with_delay(&l, p, Duration::ZERO);
+        assert_eq!(l.pause(), 10 * MS);
+        // 10, 5, 2.5, 1.25, 0.625, 0.3125 ms, then under 250 us: none.
+        for _ in 0..6 {
+            let p = l.acquire(10).await;
+            step_with_delay(&l, p, Duration::ZERO);
+        }
+        assert_eq!(l.pause(), Duration::ZERO);
+        assert_eq!(l.window(), 1, "the window grows only once pacing is over");
+        let p = l.acquire(10).await;
+        step_with_delay(&l, p, Duration::ZERO);
+        assert_eq!(l.window(), 2);
     }
 
     #[tokio::test]
