@@ -143,6 +143,10 @@ pub struct Settings {
     pub block_ms: u64,
     /// Chunks of one cleanup in flight at once.
     pub chunks_in_flight: usize,
+    /// Queue delay in Redis above which a worker sends fewer steps at once (0: off).
+    pub latency_target_ms: u64,
+    /// Which cleanup's step goes first when the window is full.
+    pub step_order: crate::cleanup::limiter::StepOrder,
     /// How long in-flight cleanups may continue after SIGTERM.
     pub drain_timeout_ms: u64,
     /// Minimum age of acknowledged entries before they are trimmed.
@@ -248,6 +252,12 @@ impl Settings {
             return bad(
                 "chunks_in_flight",
                 format!("must be 1 to 64, got {}", self.chunks_in_flight),
+            );
+        }
+        if self.latency_target_ms > 1000 {
+            return bad(
+                "latency_target_ms",
+                format!("must be 0 (off) to 1000, got {}", self.latency_target_ms),
             );
         }
         if self.max_deliveries == 0 {
@@ -581,6 +591,22 @@ mod tests {
         assert!(s.evictions);
         assert_eq!(s.evictions_stream, crate::keys::DEFAULT_EVICTIONS_STREAM);
         assert!(s.consumer_name.is_none());
+        assert_eq!(s.latency_target_ms, 1);
+        assert_eq!(
+            s.step_order,
+            crate::cleanup::limiter::StepOrder::SmallestFirst
+        );
+    }
+
+    #[test]
+    fn an_unknown_step_order_names_the_setting() {
+        let err = Figment::from(Toml::string(DEFAULT_TOML))
+            .merge(Toml::string("step_order = \"largest_first\""))
+            .extract::<Settings>()
+            .map_err(setting_error)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("step_order"), "{err}");
     }
 
     #[test]
@@ -603,6 +629,7 @@ mod tests {
         check(|s| s.redis_url = "not a url".into(), "redis_url");
         check(|s| s.metrics_addr = "nowhere".into(), "metrics_addr");
         check(|s| s.max_deliveries = 0, "max_deliveries");
+        check(|s| s.latency_target_ms = 1001, "latency_target_ms");
         check(|s| s.fence_ttl_ms = 1000, "fence_ttl_ms");
         check(|s| s.evictions_stream = String::new(), "evictions_stream");
         check(

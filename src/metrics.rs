@@ -65,6 +65,9 @@ pub struct Metrics {
     pub evictions_users: IntCounter,
     /// 1 while Redis answers PING, 0 while it does not (see [`crate::health::watch_redis`]).
     pub redis_up: IntGauge,
+    /// The step limiter's window, steps in flight, queue delays and cuts
+    /// (see [`crate::cleanup::limiter`]).
+    pub steps: crate::cleanup::limiter::LimiterMetrics,
     /// Refusals already counted, per fence and operation.
     fence_refusals_seen:
         std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, [u64; 3]>>>,
@@ -220,6 +223,38 @@ impl Metrics {
         registry
             .register(Box::new(redis_up.clone()))
             .expect("unique metric names");
+        let steps = crate::cleanup::limiter::LimiterMetrics {
+            window: gauge(
+                "registry_janitor_step_window",
+                "Cleanup steps this worker may have in flight in Redis now (the limiter's window)",
+            ),
+            in_flight: gauge(
+                "registry_janitor_steps_in_flight",
+                "Cleanup steps of this worker sent to Redis and not yet answered (limited steps)",
+            ),
+            queue_delay: Histogram::with_opts(
+                HistogramOpts::new(
+                    "registry_janitor_step_queue_delay_seconds",
+                    "Time a cleanup step waited in Redis behind other commands: round trip minus its own execution",
+                )
+                .buckets(vec![
+                    0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+                ]),
+            )
+            .expect("valid metric"),
+            cuts: counter(
+                "registry_janitor_step_window_cuts_total",
+                "Times the step window was halved because the queue delay exceeded latency_target_ms",
+            ),
+        };
+        for c in [
+            Box::new(steps.window.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(steps.in_flight.clone()),
+            Box::new(steps.queue_delay.clone()),
+            Box::new(steps.cuts.clone()),
+        ] {
+            registry.register(c).expect("unique metric names");
+        }
         for o in [
             outcome::CLEANED,
             outcome::IGNORED,
@@ -257,6 +292,7 @@ impl Metrics {
             evictions_entries,
             evictions_users,
             redis_up,
+            steps,
             fence_refusals_seen: Default::default(),
         }
     }

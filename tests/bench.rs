@@ -145,3 +145,52 @@ fn bench_verifies_every_run_on_a_local_cluster() {
     fencing_figures(&report, 500);
     assert!(report["ratios"]["redis_cpu_vs_careful"].is_null());
 }
+
+/// A small `bench --zone` as a correctness check (no timing assertions): several servers
+/// die at once, two worker processes clean them (limiter off, then on, in both step
+/// orders), and each run verifies the registry clean, the moved users kept and every
+/// event acknowledged; the probe process measured lookups during the cleanup.
+#[test]
+fn bench_zone_verifies_every_run() {
+    let redis = redis(); // only for a settings template; the zone bench starts its own
+    let settings = settings(&redis, Layout::Hash);
+    let out = janitor(&settings)
+        .args([
+            "bench",
+            "--zone",
+            "6",
+            "--zone-users",
+            "3000",
+            "--workers",
+            "2",
+        ])
+        .args([
+            "--latency-targets",
+            "0,1",
+            "--step-orders",
+            "smallest_first,round_robin",
+        ])
+        .args(["--repeat", "1", "--json"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "bench --zone failed: {stderr}");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let settings_run = report["settings"].as_array().unwrap();
+    assert_eq!(settings_run.len(), 4, "{report}");
+    for s in settings_run {
+        for run in s["repeats"].as_array().unwrap() {
+            let servers = run["servers"].as_u64().unwrap();
+            assert_eq!(run["acknowledged"].as_u64(), Some(servers), "{run}");
+            assert_eq!(run["stale_left"], 0, "{run}");
+            assert_eq!(run["live_lost"], 0, "{run}");
+            assert_eq!(run["users"], 18_000, "{run}");
+            assert!(run["worker_peak_rss_bytes"].as_u64().unwrap() > 1_000_000);
+            assert!(run["stale_window_p99_ms"].as_f64().unwrap() > 0.0, "{run}");
+        }
+        assert_eq!(s["zone"]["servers"], 6);
+        assert_eq!(s["zone"]["workers"], 2);
+        assert_eq!(s["single"]["servers"], 1);
+        assert!(s["throughput_vs_single"].as_f64().unwrap() > 0.0);
+    }
+}

@@ -544,3 +544,64 @@ async fn positional_payloads_are_dead_lettered_and_the_registry_is_untouched() {
         .await;
     assert_eq!(members, 200);
 }
+
+/// The step limiter (`latency_target_ms`) shares one window between the worker's cleanups:
+/// the end state is the same as without it, every step went through it (its queue delay
+/// observed), and no permit is left taken.
+async fn limited_worker_cleans(order: &str) {
+    let order = order.to_owned();
+    let f = Fixture::with(Layout::Hash, move |s| {
+        s.concurrency = 4;
+        s.chunk_size = 500;
+        s.latency_target_ms = 1;
+        s.step_order = serde_json::from_value(serde_json::json!(order)).unwrap();
+    });
+    let live = server("gw-live#1");
+    f.seed(&live, 1_000).await;
+    // Servers of different sizes, so that smallest_first has something to order.
+    let dead: Vec<_> = (0..6).map(|i| server(&format!("gw-{i}#1"))).collect();
+    for (i, s) in dead.iter().enumerate() {
+        f.seed(s, 1_000 * (i + 1)).await;
+    }
+    f.reconnect(&user(&dead[3], 11), &live).await;
+    let worker = spawn_worker(&f.settings);
+    for s in &dead {
+        f.kill(s).await;
+    }
+    f.wait_idle().await;
+    for (i, s) in dead.iter().enumerate() {
+        assert_eq!(f.still_pointing(s, 1_000 * (i + 1)).await, 0, "{s}");
+    }
+    assert_eq!(f.still_pointing(&live, 1_000).await, 1_000);
+    assert_eq!(
+        f.owner(&user(&dead[3], 11)).await.as_deref(),
+        Some("gw-live#1")
+    );
+    worker.settled().await;
+    let m = &worker.metrics;
+    assert_eq!(m.events_with(outcome::CLEANED), 6);
+    assert_eq!(m.entries_deleted.get(), 21_000 - 1);
+    assert_eq!(m.entries_kept.get(), 1);
+    // 21,000 members in chunks of 500: at least 42 steps, each measured.
+    assert!(
+        m.steps.queue_delay.get_sample_count() >= 42,
+        "{}",
+        m.steps.queue_delay.get_sample_count()
+    );
+    assert_eq!(m.steps.in_flight.get(), 0, "every permit was given back");
+    let window = m.steps.window.get();
+    assert!((1..=8).contains(&window), "window {window}");
+    let text = m.render();
+    assert!(text.contains("registry_janitor_step_window_cuts_total"));
+    worker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_limited_worker_cleans_smallest_first() {
+    limited_worker_cleans("smallest_first").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_limited_worker_cleans_round_robin() {
+    limited_worker_cleans("round_robin").await;
+}

@@ -42,13 +42,22 @@
 -- ARGV[6] consumer group   ARGV[7] entry id to acknowledge when clean ('' for none)
 -- ARGV[8] the event's event_id, for the evictions stream ('' for none)
 -- Returns {done (0/1), members handled, entries deleted, entries kept, mode used,
---          evictions entries written}
+--          evictions entries written, this script's execution time in microseconds}
+-- The execution time (TIME at the start and at the end) lets the worker tell how long
+-- the step waited in Redis' queue: its round trip minus this (see cleanup/limiter.rs).
 --
 -- Evictions: the users this step deleted are announced in `users.evicted` entries of
 -- KEYS[8] (announce.lua), in this script, so each deleted user is announced exactly once
 -- and a kept one never. The step that acknowledges the event (XACK answered 1: only one
 -- step can) announces `server.cleaned` with the totals of the cleanup, counted in the
 -- progress hash (`evicted`, `kept`).
+
+local started = redis.call('TIME')
+local function elapsed_us()
+  local now = redis.call('TIME')
+  return (tonumber(now[1]) - tonumber(started[1])) * 1000000
+    + tonumber(now[2]) - tonumber(started[2])
+end
 
 local users_key, walking_key, moved_key = KEYS[1], KEYS[2], KEYS[3]
 local progress_key, servers_key, registry_key, events_key = KEYS[4], KEYS[5], KEYS[6], KEYS[7]
@@ -111,12 +120,12 @@ if redis.call('EXISTS', moved_key) == 1 then
   local members = {}
   for i = 1, #popped, 2 do members[#members + 1] = popped[i] end
   local deleted, kept = check_delete(members)
-  return {finish_if_clean(), #members, deleted, kept, mode, announced}
+  return {finish_if_clean(), #members, deleted, kept, mode, announced, elapsed_us()}
 end
 
 if redis.call('EXISTS', walking_key) == 0 then
   if redis.call('EXISTS', users_key) == 0 then
-    return {finish_if_clean(), 0, 0, 0, mode, announced}
+    return {finish_if_clean(), 0, 0, 0, mode, announced, elapsed_us()}
   end
   redis.call('RENAME', users_key, walking_key)
   -- HDEL takes no memory: a new walk starts from cursor 0 even in 'pop' mode.
@@ -148,6 +157,6 @@ local deleted, kept = check_delete(members)
 if walked then
   redis.call('UNLINK', walking_key)
   redis.call('HDEL', progress_key, 'walk_cursor', 'walk_run_id')
-  return {finish_if_clean(), #members, deleted, kept, mode, announced}
+  return {finish_if_clean(), #members, deleted, kept, mode, announced, elapsed_us()}
 end
-return {0, #members, deleted, kept, mode, announced}
+return {0, #members, deleted, kept, mode, announced, elapsed_us()}

@@ -183,6 +183,7 @@ impl Cleaner {
             kept,
             announced,
             announced_users: if announced > 0 { gone.len() as u64 } else { 0 },
+            execution_us: 0,
         };
         Ok((step, advanced, (total_deleted, total_kept)))
     }

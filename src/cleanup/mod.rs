@@ -22,9 +22,10 @@
 //! cluster_advance.lua). The check-and-delete of forward entries is [`crate::forward`].
 
 mod cluster;
+pub mod limiter;
 mod single;
 
-use std::sync::LazyLock;
+use std::sync::{Arc, LazyLock};
 
 use tokio_util::sync::CancellationToken;
 
@@ -119,6 +120,9 @@ pub struct Step {
     pub announced: u64,
     /// Users in those entries.
     pub announced_users: u64,
+    /// Time the step's script ran inside Redis, in microseconds (single node; 0 on a
+    /// cluster).
+    pub execution_us: u64,
 }
 
 /// The `server.dead` a cleanup answers: its stream entry, which the cleanup acknowledges,
@@ -183,6 +187,9 @@ pub struct Cleaner {
     fence_ttl_ms: u64,
     /// Counts failed step attempts (Redis errors), when set.
     errors: Option<prometheus::IntCounter>,
+    /// The process's window of steps in flight, shared by its cleanups (single node;
+    /// none when `latency_target_ms` is 0). See [`limiter`].
+    limiter: Option<Arc<limiter::Limiter>>,
 }
 
 /// The fence's lifetime when none is set: the `fence_ttl_ms` default, 7 days.
@@ -197,7 +204,15 @@ impl Cleaner {
             chunks_in_flight: chunks_in_flight.max(1),
             fence_ttl_ms: DEFAULT_FENCE_TTL_MS,
             errors: None,
+            limiter: None,
         }
+    }
+
+    /// Sends single-node steps through `limiter` (shared by every clone of this cleaner,
+    /// so by every cleanup of the process); `None` sends them as they come.
+    pub fn limited(mut self, limiter: Option<Arc<limiter::Limiter>>) -> Self {
+        self.limiter = limiter;
+        self
     }
 
     /// Fences live `ttl_ms` (the `fence_ttl_ms` setting).

@@ -2,12 +2,18 @@
 //! walks the chunk and deletes its entries atomically, and `chunks_in_flight` steps are
 //! kept queued so Redis never waits for the worker.
 
-use std::sync::LazyLock;
+use std::{
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        LazyLock,
+    },
+    time::Duration,
+};
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio_util::sync::CancellationToken;
 
-use super::{Cleaner, Report, Step, WalkMode};
+use super::{limiter::StepOrder, Cleaner, Report, Step, WalkMode};
 use crate::{
     conn::RedisConn,
     error::{Error, Result},
@@ -32,24 +38,46 @@ impl Cleaner {
         // Once Redis says OOM, the rest of this cleanup walks in the mode that takes no
         // memory: the cleanup is what frees it.
         let oom = std::sync::atomic::AtomicBool::new(false);
+        // With a limiter, the members left (read once, then counted down by this
+        // worker's steps) order the cleanups' steps when `step_order` is smallest_first.
+        let left = AtomicU64::new(match &self.limiter {
+            Some(limiter) if limiter.order() == StepOrder::SmallestFirst => {
+                self.members_left(conn, server).await.unwrap_or(u64::MAX)
+            }
+            _ => 0,
+        });
         let step = || {
             retrying_counted("cleanup step", stop, self.errors.as_ref(), || async {
-                let mode = if oom.load(std::sync::atomic::Ordering::Relaxed) {
+                let mode = if oom.load(Ordering::Relaxed) {
                     WalkMode::Pop
                 } else {
                     WalkMode::Scan
                 };
+                let mut permit = match &self.limiter {
+                    Some(limiter) => Some(limiter.acquire(left.load(Ordering::Relaxed)).await),
+                    None => None,
+                };
+                if let Some(permit) = permit.as_mut() {
+                    permit.sent();
+                }
                 let result = self.step_with(conn, server, mode, event_id, entry).await;
-                match result {
+                let result = match result {
                     Err(Error::Redis(e)) if e.code() == Some("OOM") && mode == WalkMode::Scan => {
-                        if !oom.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                        if !oom.swap(true, Ordering::Relaxed) {
                             tracing::warn!(server_id = %server, "Redis is out of memory: walking on with SPOP, which needs none");
                         }
                         self.step_with(conn, server, WalkMode::Pop, event_id, entry)
                             .await
                     }
                     other => other,
+                };
+                if let (Some(permit), Ok(step)) = (permit, &result) {
+                    permit.complete(Duration::from_micros(step.execution_us));
+                    let _ = left.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                        Some(n.saturating_sub(step.scanned))
+                    });
                 }
+                result
             })
         };
         let mut report = Report::default();
@@ -77,6 +105,18 @@ impl Cleaner {
         } else {
             Err(Error::Cancelled)
         }
+    }
+
+    /// Members of `server` left to walk: its reverse set, the set being walked and the
+    /// members set aside (SCARD, SCARD, ZCARD).
+    async fn members_left(&self, conn: &RedisConn, server: &ServerId) -> Result<u64> {
+        let (users, walking, moved): (u64, u64, u64) = redis::pipe()
+            .scard(self.keys.server_users(server))
+            .scard(self.keys.server_walking(server))
+            .zcard(self.keys.server_moved(server))
+            .query_async(&mut conn.clone())
+            .await?;
+        Ok(users + walking + moved)
     }
 
     /// One call of the step script, walking with SSCAN (see [`Cleaner::step_with`]).
@@ -118,8 +158,15 @@ impl Cleaner {
             .arg(crate::keys::GROUP)
             .arg(entry.unwrap_or(""))
             .arg(event_id);
-        let (done, scanned, deleted, kept, _mode, announced): (i64, u64, u64, u64, String, u64) =
-            call.invoke_async(&mut conn.clone()).await?;
+        let (done, scanned, deleted, kept, _mode, announced, execution_us): (
+            i64,
+            u64,
+            u64,
+            u64,
+            String,
+            u64,
+            u64,
+        ) = call.invoke_async(&mut conn.clone()).await?;
         Ok(Step {
             done: done == 1,
             scanned,
@@ -128,6 +175,7 @@ impl Cleaner {
             announced,
             // On one node exactly the users the step deleted.
             announced_users: if announced > 0 { deleted } else { 0 },
+            execution_us,
         })
     }
 }

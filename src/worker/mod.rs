@@ -77,7 +77,14 @@ impl Worker {
                 settings.chunks_in_flight,
             )
             .fence_ttl(settings.fence_ttl_ms)
-            .counting_errors(metrics.redis_errors.clone()),
+            .counting_errors(metrics.redis_errors.clone())
+            // One window for the whole process: every cleanup it runs shares it.
+            .limited(crate::cleanup::limiter::Limiter::for_target(
+                settings.latency_target_ms,
+                settings.concurrency * settings.chunks_in_flight,
+                settings.step_order,
+                Some(metrics.steps.clone()),
+            )),
             health: Health::new(Duration::from_secs(60)),
             failing: Failing::new(),
             keys,

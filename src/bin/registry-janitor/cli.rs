@@ -89,6 +89,19 @@ pub enum Command {
     Demo(DemoOptions),
     /// The throughput and latency benchmark, with references measured in the same run.
     Bench(BenchOptions),
+    /// The lookup probe of `bench --zone`, in a process of its own (internal).
+    #[command(hide = true)]
+    BenchProbe(ProbeOptions),
+}
+
+// Parsed in every build; run only in one with the `testkit` feature.
+/// What the lookup probe of `bench --zone` looks up.
+#[derive(Debug, Clone, clap::Args)]
+#[cfg_attr(not(feature = "testkit"), allow(dead_code))]
+pub struct ProbeOptions {
+    /// Live users `live0` .. `live<N-1>` under `key_prefix`, looked up in turn.
+    #[arg(long, default_value_t = 10_000)]
+    pub users: usize,
 }
 
 #[derive(Subcommand)]
@@ -195,6 +208,29 @@ pub struct BenchOptions {
     /// Run on a private local Redis Cluster of 3 masters (all on this machine) instead.
     #[arg(long)]
     pub local_cluster: bool,
+    /// A zone outage instead: this many servers die at once, their events are published
+    /// together, `--workers` worker processes clean them while a probe process looks up
+    /// live users every millisecond; then one server of the same total size, one worker.
+    /// Always on a private redis-server.
+    #[arg(long, value_name = "D")]
+    pub zone: Option<usize>,
+    /// Users of each server of the zone.
+    #[arg(long, default_value_t = 10_000)]
+    pub zone_users: usize,
+    /// Worker processes of the zone run.
+    #[arg(long, default_value_t = 2)]
+    pub workers: usize,
+    /// Start the zone's workers from this binary (an older build, for a before/after).
+    #[arg(long, value_name = "FILE")]
+    pub worker_exe: Option<PathBuf>,
+    /// Zone: run once per `latency_target_ms` of this list (e.g. 0,1,2,5); default: the
+    /// setting.
+    #[arg(long, value_delimiter = ',')]
+    pub latency_targets: Vec<u64>,
+    /// Zone: run once per `step_order` of this list (smallest_first,round_robin); default:
+    /// the setting.
+    #[arg(long, value_delimiter = ',')]
+    pub step_orders: Vec<String>,
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,

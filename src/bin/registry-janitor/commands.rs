@@ -20,7 +20,7 @@ use registry_janitor::{
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    cli::{BenchOptions, DeadLettersAction, DemoOptions, EmitEvent},
+    cli::{BenchOptions, DeadLettersAction, DemoOptions, EmitEvent, ProbeOptions},
     output,
 };
 
@@ -163,6 +163,19 @@ pub async fn demo(settings: &Settings, options: &DemoOptions) -> anyhow::Result<
 /// `bench`: the benchmark; fails if the janitor run left stale entries or lost live ones.
 #[cfg(feature = "testkit")]
 pub async fn bench(settings: &Settings, options: &BenchOptions) -> anyhow::Result<()> {
+    if options.zone.is_some() {
+        let exe = crate::bench::current_exe()?;
+        let report = crate::bench::zone::run(settings, options, &exe).await?;
+        if options.json {
+            println!("{}", serde_json::to_string_pretty(&report)?);
+        } else {
+            print!("{report}");
+        }
+        if let Some(failures) = report.failures() {
+            anyhow::bail!("the zone benchmark's verification failed: {failures}");
+        }
+        return Ok(());
+    }
     let report = crate::bench::run(settings, options, &crate::bench::current_exe()?).await?;
     if options.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -196,6 +209,18 @@ pub async fn bench(settings: &Settings, options: &BenchOptions) -> anyhow::Resul
         );
     }
     Ok(())
+}
+
+/// `bench-probe`: the lookup probe of `bench --zone` (internal).
+#[cfg(feature = "testkit")]
+pub async fn bench_probe(settings: &Settings, options: &ProbeOptions) -> anyhow::Result<()> {
+    Ok(crate::bench::zone::probe(settings, options).await?)
+}
+
+/// `bench-probe` in a build without the test harness.
+#[cfg(not(feature = "testkit"))]
+pub async fn bench_probe(_: &Settings, _: &ProbeOptions) -> anyhow::Result<()> {
+    Err(without_testkit("bench-probe"))
 }
 
 /// `demo` in a build without the test harness (the service image).

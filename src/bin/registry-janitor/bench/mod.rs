@@ -36,6 +36,7 @@ mod report;
 mod route;
 mod runs;
 mod scene;
+pub mod zone;
 
 use std::path::{Path, PathBuf};
 

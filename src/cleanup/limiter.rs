@@ -1,0 +1,530 @@
+//! The step limiter: how many cleanup steps one worker process keeps queued in Redis.
+//!
+//! A Lua script cannot be interrupted, so a routing lookup that arrives while janitor
+//! steps are queued waits for all of them. Nothing else bounds that queue across workers:
+//! each runs `concurrency` cleanups of `chunks_in_flight` steps. So every worker process
+//! shares one [`Limiter`] between its cleanups, a window of steps in flight that it
+//! adjusts the way TCP adjusts its congestion window (AIMD), without any coordination:
+//! - each step reports its own execution time (clean_step.lua reads TIME at its start and
+//!   its end); the worker measures the round trip, and round trip minus execution is the
+//!   time the step waited behind other commands: the queue delay;
+//! - a delay above `latency_target_ms` halves the window (floor 1), at most once per round
+//!   trip: only a step sent after the last cut can cut again;
+//! - otherwise the window grows by one per window's worth of completed steps, up to
+//!   `concurrency * chunks_in_flight` (what the worker would queue without a limiter);
+//! - at the floor of one step, W workers still keep W steps queued; a delay over the target
+//!   there starts pacing instead: a pause before each step (250 us, doubled per round trip
+//!   while the delay stays over, at most 20 targets), halved per step under the target;
+//!   the window grows again only once the pause is gone.
+//!
+//! Every worker that sees the queue grow backs off, so the fleet's queue converges near the
+//! target whatever the number of processes. A step acquires a permit before it is sent;
+//! waiting steps get permits in the order of `step_order`: `smallest_first` (the cleanup
+//! with the fewest members left, shortest job first) or `round_robin` (in the order asked,
+//! which interleaves the cleanups). The cluster walk is not limited.
+
+use std::{
+    cmp::Reverse,
+    collections::BinaryHeap,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::oneshot;
+
+/// The shortest pause when pacing, and the longest, in targets.
+const MIN_PAUSE: Duration = Duration::from_micros(250);
+const MAX_PAUSE_TARGETS: u32 = 20;
+
+/// Which waiting step gets the next permit (the `step_order` setting).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StepOrder {
+    /// The cleanup with the fewest members left first (shortest job first).
+    #[default]
+    SmallestFirst,
+    /// In the order asked: the cleanups' steps interleave.
+    RoundRobin,
+}
+
+impl StepOrder {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StepOrder::SmallestFirst => "smallest_first",
+            StepOrder::RoundRobin => "round_robin",
+        }
+    }
+}
+
+/// What the limiter reports to Prometheus.
+#[derive(Clone)]
+pub struct LimiterMetrics {
+    pub window: prometheus::IntGauge,
+    pub in_flight: prometheus::IntGauge,
+    pub queue_delay: prometheus::Histogram,
+    pub cuts: prometheus::IntCounter,
+}
+
+/// One worker process's window of cleanup steps in flight (see the module docs).
+pub struct Limiter {
+    target: Duration,
+    max_window: usize,
+    order: StepOrder,
+    state: Mutex<State>,
+    metrics: Option<LimiterMetrics>,
+}
+
+impl std::fmt::Debug for Limiter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Limiter")
+            .field("target", &self.target)
+            .field("max_window", &self.max_window)
+            .field("order", &self.order)
+            .finish_non_exhaustive()
+    }
+}
+
+struct State {
+    window: usize,
+    in_flight: usize,
+    /// Completions without a cut since the window last grew.
+    grown: usize,
+    last_cut: Option<Instant>,
+    cuts: u64,
+    /// At the floor of one step, a pause before each step (see [`Limiter::acquire`]).
+    pause: Duration,
+    /// Steps waiting for a permit, smallest key first.
+    waiting: BinaryHeap<Reverse<Waiter>>,
+    asked: u64,
+}
+
+struct Waiter {
+    /// (members left, or 0 in round-robin order; order of asking)
+    key: (u64, u64),
+    grant: oneshot::Sender<Permit>,
+}
+
+impl PartialEq for Waiter {
+    fn eq(&self, other: &Self) -> bool {
+        self.key == other.key
+    }
+}
+impl Eq for Waiter {}
+impl PartialOrd for Waiter {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Waiter {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.key.cmp(&other.key)
+    }
+}
+
+/// The right to send one step. Dropped without [`Permit::complete`] (the step failed or
+/// was abandoned), it frees its place without a measurement.
+pub struct Permit {
+    limiter: Option<Arc<Limiter>>,
+    sent: Instant,
+}
+
+impl Permit {
+    /// Marks the step as sent now (the round trip is measured from here).
+    pub fn sent(&mut self) {
+        self.sent = Instant::now();
+    }
+
+    /// The step's answer came back, having run `execution` inside Redis: frees the place
+    /// and adjusts the window by the queue delay (round trip minus execution).
+    pub fn complete(mut self, execution: Duration) {
+        if let Some(limiter) = self.limiter.take() {
+            let round_trip = self.sent.elapsed();
+            limiter.release(Some((self.sent, round_trip.saturating_sub(execution))));
+        }
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        if let Some(limiter) = self.limiter.take() {
+            limiter.release(None);
+        }
+    }
+}
+
+impl Limiter {
+    /// A limiter keeping the queue delay near `target` (must not be zero: a zero target
+    /// means no limiter), with at most `max_window` steps in flight.
+    pub fn new(
+        target: Duration,
+        max_window: usize,
+        order: StepOrder,
+        metrics: Option<LimiterMetrics>,
+    ) -> Arc<Self> {
+        let max_window = max_window.max(1);
+        // Start low: a zone outage makes every worker start at once, and a burst of full
+        // windows would queue them all in Redis before the first answer. The window
+        // reaches its ceiling within a few dozen steps when Redis keeps up.
+        let window = 2.min(max_window);
+        if let Some(m) = &metrics {
+            m.window.set(window as i64);
+            m.in_flight.set(0);
+        }
+        Arc::new(Limiter {
+            target,
+            max_window,
+            order,
+            state: Mutex::new(State {
+                window,
+                in_flight: 0,
+                grown: 0,
+                last_cut: None,
+                cuts: 0,
+                pause: Duration::ZERO,
+                waiting: BinaryHeap::new(),
+                asked: 0,
+            }),
+            metrics,
+        })
+    }
+
+    /// The limiter of the `latency_target_ms` setting: none when it is 0 (steps are then
+    /// sent as they come, `chunks_in_flight` per cleanup).
+    pub fn for_target(
+        target_ms: u64,
+        max_window: usize,
+        order: StepOrder,
+        metrics: Option<LimiterMetrics>,
+    ) -> Option<Arc<Self>> {
+        (target_ms > 0)
+            .then(|| Limiter::new(Duration::from_millis(target_ms), max_window, order, metrics))
+    }
+
+    pub fn target(&self) -> Duration {
+        self.target
+    }
+
+    pub fn order(&self) -> StepOrder {
+        self.order
+    }
+
+    /// The window now.
+    pub fn window(&self) -> usize {
+        self.state.lock().expect("limiter lock").window
+    }
+
+    /// Steps holding a permit now.
+    pub fn in_flight(&self) -> usize {
+        self.state.lock().expect("limiter lock").in_flight
+    }
+
+    /// Times the window was cut so far.
+    pub fn cuts(&self) -> u64 {
+        self.state.lock().expect("limiter lock").cuts
+    }
+
+    /// Waits for a permit to send one step of a cleanup with `members_left` members left
+    /// (the key of `smallest_first`; ignored in `round_robin` order).
+    pub async fn acquire(self: &Arc<Self>, members_left: u64) -> Permit {
+        let rx = {
+            let mut state = self.state.lock().expect("limiter lock");
+            state.asked += 1;
+            if state.waiting.is_empty() && state.in_flight < state.window {
+                state.in_flight += 1;
+                self.show(&state);
+                Err((self.permit(), state.pause))
+            } else {
+                let (tx, rx) = oneshot::channel();
+                let key = match self.order {
+                    StepOrder::SmallestFirst => members_left,
+                    StepOrder::RoundRobin => 0,
+                };
+                let asked = state.asked;
+                state.waiting.push(Reverse(Waiter {
+                    key: (key, asked),
+                    grant: tx,
+                }));
+                Ok(rx)
+            }
+        };
+        let rx = match rx {
+            Ok(rx) => rx,
+            Err((permit, pause)) => return self.paced(permit, pause).await,
+        };
+        // The sender is only dropped by the limiter, which is alive while we hold it.
+        let permit = rx.await.expect("the limiter grants or is alive");
+        let pause = self.state.lock().expect("limiter lock").pause;
+        self.paced(permit, pause).await
+    }
+
+    /// Holds `permit` for `pause` before the step may go: with a window of one, the whole
+    /// process waits, so its share of Redis drops below one step at a time.
+    async fn paced(&self, permit: Permit, pause: Duration) -> Permit {
+        if !pause.is_zero() {
+            tokio::time::sleep(pause).await;
+        }
+        permit
+    }
+
+    /// The pause before each step now (zero unless the window is at its floor of one).
+    pub fn pause(&self) -> Duration {
+        self.state.lock().expect("limiter lock").pause
+    }
+
+    fn permit(self: &Arc<Self>) -> Permit {
+        Permit {
+            limiter: Some(self.clone()),
+            sent: Instant::now(),
+        }
+    }
+
+    /// A permit is given back, with (sent at, queue delay) when its step completed.
+    fn release(self: &Arc<Self>, measured: Option<(Instant, Duration)>) {
+        let mut state = self.state.lock().expect("limiter lock");
+        state.in_flight -= 1;
+        if let Some((sent, delay)) = measured {
+            if let Some(m) = &self.metrics {
+                m.queue_delay.observe(delay.as_secs_f64());
+            }
+            if delay > self.target {
+                // Once per round trip: a step sent before the last cut saw the old window.
+                state.grown = 0;
+                if state.last_cut.is_none_or(|cut| sent > cut) {
+                    state.last_cut = Some(Instant::now());
+                    if state.window > 1 {
+                        state.window = (state.window / 2).max(1);
+                        state.cuts += 1;
+                        if let Some(m) = &self.metrics {
+                            m.cuts.inc();
+                        }
+                    } else {
+                        // At the floor of one step: W workers still keep W steps queued.
+                        // Below that, pace: a pause before each step, doubled while the
+                        // delay stays over the target, at most 20 targets.
+                        state.pause = (state.pause * 2)
+                            .max(MIN_PAUSE)
+                            .min(self.target * MAX_PAUSE_TARGETS);
+                    }
+                }
+            } else if !state.pause.is_zero() {
+                // Pacing ends first (halved per good step), then the window grows.
+                state.pause /= 2;
+                if state.pause < MIN_PAUSE {
+                    state.pause = Duration::ZERO;
+                }
+            } else {
+                state.grown += 1;
+                if state.grown >= state.window {
+                    state.grown = 0;
+                    state.window = (state.window + 1).min(self.max_window);
+                }
+            }
+        }
+        while state.in_flight < state.window {
+            let Some(Reverse(waiter)) = state.waiting.pop() else {
+                break;
+            };
+            state.in_flight += 1;
+            if let Err(mut permit) = waiter.grant.send(self.permit()) {
+                // The step stopped waiting: take the place back without a second lock.
+                permit.limiter = None;
+                state.in_flight -= 1;
+            }
+        }
+        self.show(&state);
+    }
+
+    fn show(&self, state: &State) {
+        if let Some(m) = &self.metrics {
+            m.window.set(state.window as i64);
+            m.in_flight.set(state.in_flight as i64);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    fn limiter(max: usize) -> Arc<Limiter> {
+        Limiter::new(MS, max, StepOrder::SmallestFirst, None)
+    }
+
+    /// Completes one step that waited `delay` in Redis' queue.
+    fn step_with_delay(_: &Arc<Limiter>, mut permit: Permit, delay: Duration) {
+        let limiter = permit.limiter.take().unwrap();
+        limiter.release(Some((permit.sent, delay)));
+    }
+
+    #[test]
+    fn a_target_of_zero_means_no_limiter() {
+        assert!(Limiter::for_target(0, 8, StepOrder::SmallestFirst, None).is_none());
+        let l = Limiter::for_target(2, 8, StepOrder::RoundRobin, None).unwrap();
+        assert_eq!(l.target(), 2 * MS);
+        assert_eq!(l.order(), StepOrder::RoundRobin);
+    }
+
+    #[tokio::test]
+    async fn grows_by_one_per_window_of_fast_steps_up_to_the_ceiling() {
+        let l = limiter(8);
+        assert_eq!(l.window(), 2);
+        for _ in 0..200 {
+            let p = l.acquire(10).await;
+            step_with_delay(&l, p, Duration::ZERO);
+        }
+        assert_eq!(l.window(), 8, "capped at concurrency * chunks_in_flight");
+        assert_eq!(l.cuts(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_slow_step_halves_the_window_once_per_round_trip_down_to_one() {
+        let l = limiter(8);
+        for _ in 0..200 {
+            let p = l.acquire(10).await;
+            step_with_delay(&l, p, Duration::ZERO);
+        }
+        // Eight steps sent with the full window; all come back late: one cut only.
+        let mut permits = Vec::new();
+        for _ in 0..8 {
+            permits.push(l.acquire(10).await);
+        }
+        for p in permits {
+            step_with_delay(&l, p, 5 * MS);
+        }
+        assert_eq!(l.window(), 4);
+        assert_eq!(l.cuts(), 1);
+        // Steps sent after the cut may cut again, down to the floor of one.
+        for _ in 0..10 {
+            let p = l.acquire(10).await;
+            step_with_delay(&l, p, 5 * MS);
+        }
+        assert_eq!(l.window(), 1);
+        assert_eq!(l.cuts(), 3);
+        // And it grows back, once the pacing at the floor is over.
+        while !l.pause().is_zero() {
+            let p = l.acquire(10).await;
+            step_with_delay(&l, p, Duration::ZERO);
+        }
+        assert_eq!(l.window(), 1);
+        for _ in 0..3 {
+            let p = l.acquire(10).await;
+            step_with_delay(&l, p, Duration::ZERO);
+        }
+        assert_eq!(l.window(), 3);
+    }
+
+    #[tokio::test]
+    async fn at_the_floor_a_slow_step_paces_and_fast_steps_end_it_before_the_window_grows() {
+        let l = limiter(8);
+        // The first cuts the window from 2 to 1; then pacing starts.
+        for _ in 0..3 {
+            let p = l.acquire(10).await;
+            step_with_delay(&l, p, 5 * MS);
+        }
+        assert_eq!(l.window(), 1);
+        assert_eq!(
+            l.pause(),
+            Duration::from_micros(500),
+            "250 us, then doubled"
+        );
+        for _ in 0..20 {
+            let p = l.acquire(10).await;
+            step_with_delay(&l, p, 5 * MS);
+        }
+        assert_eq!(l.pause(), 20 * MS, "at most 20 targets");
+        let started = Instant::now();
+        let p = l.acquire(10).await;
+        assert!(
+            started.elapsed() >= 20 * MS,
+            "the step waited out the pause"
+        );
+        step_with_delay(&l, p, Duration::ZERO);
+        assert_eq!(l.pause(), 10 * MS);
+        // 10, 5, 2.5, 1.25, 0.625, 0.3125 ms, then under 250 us: none.
+        for _ in 0..6 {
+            let p = l.acquire(10).await;
+            step_with_delay(&l, p, Duration::ZERO);
+        }
+        assert_eq!(l.pause(), Duration::ZERO);
+        assert_eq!(l.window(), 1, "the window grows only once pacing is over");
+        let p = l.acquire(10).await;
+        step_with_delay(&l, p, Duration::ZERO);
+        assert_eq!(l.window(), 2);
+    }
+
+    #[tokio::test]
+    async fn steps_beyond_the_window_wait_and_the_smallest_cleanup_goes_first() {
+        let l = limiter(1);
+        let first = l.acquire(100).await;
+        assert_eq!(l.in_flight(), 1);
+        let big = tokio::spawn({
+            let l = l.clone();
+            async move { l.acquire(1000).await }
+        });
+        let small = tokio::spawn({
+            let l = l.clone();
+            async move { l.acquire(5).await }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(l.in_flight(), 1, "both wait");
+        first.complete(Duration::ZERO);
+        let small = tokio::time::timeout(Duration::from_secs(1), small)
+            .await
+            .expect("the smaller cleanup got the permit")
+            .unwrap();
+        assert!(!big.is_finished());
+        drop(small); // failed step: frees its place without a measurement
+        let big = tokio::time::timeout(Duration::from_secs(1), big)
+            .await
+            .unwrap()
+            .unwrap();
+        drop(big);
+        assert_eq!(l.in_flight(), 0);
+    }
+
+    #[tokio::test]
+    async fn round_robin_grants_in_the_order_asked() {
+        let l = Limiter::new(MS, 1, StepOrder::RoundRobin, None);
+        let first = l.acquire(0).await;
+        let a = tokio::spawn({
+            let l = l.clone();
+            async move { l.acquire(1000).await }
+        });
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let b = tokio::spawn({
+            let l = l.clone();
+            async move { l.acquire(5).await }
+        });
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        drop(first);
+        let a = tokio::time::timeout(Duration::from_secs(1), a)
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(!b.is_finished());
+        drop(a);
+        drop(b.await.unwrap());
+    }
+
+    #[tokio::test]
+    async fn an_abandoned_waiter_does_not_keep_its_place() {
+        let l = limiter(1);
+        let first = l.acquire(1).await;
+        let waiting = tokio::spawn({
+            let l = l.clone();
+            async move { l.acquire(1).await }
+        });
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        waiting.abort();
+        let _ = waiting.await;
+        drop(first);
+        assert_eq!(l.in_flight(), 0);
+        let again = tokio::time::timeout(Duration::from_secs(1), l.acquire(1))
+            .await
+            .expect("the place is free");
+        drop(again);
+    }
+}
