@@ -15,7 +15,11 @@
 //! - at the floor of one step, W workers still keep W steps queued; a delay over the target
 //!   there starts pacing instead: a pause before each step (250 us, doubled per round trip
 //!   while the delay stays over, at most 20 targets), halved per step under the target;
-//!   the window grows again only once the pause is gone.
+//!   the window grows again only once the pause is gone;
+//! - a step cannot be interrupted, so a lookup may wait for a whole one: the step's size
+//!   (members per step) follows too, so that one step runs for about the target. Each
+//!   step's execution time per member walked is averaged (EWMA), and a step walks
+//!   `target / time per member` members, at least [`MIN_STEP`] and at most `chunk_size`.
 //!
 //! Every worker that sees the queue grow backs off, so the fleet's queue converges near the
 //! target whatever the number of processes. A step acquires a permit before it is sent;
@@ -32,6 +36,9 @@ use std::{
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
+
+/// The fewest members one step walks when steps are sized to the target.
+pub const MIN_STEP: usize = 100;
 
 /// The shortest pause when pacing, and the longest, in targets.
 const MIN_PAUSE: Duration = Duration::from_micros(250);
@@ -94,6 +101,8 @@ struct State {
     cuts: u64,
     /// At the floor of one step, a pause before each step (see [`Limiter::acquire`]).
     pause: Duration,
+    /// Execution time per member walked, averaged over the steps (microseconds).
+    us_per_member: Option<f64>,
     /// Steps waiting for a permit, smallest key first.
     waiting: BinaryHeap<Reverse<Waiter>>,
     asked: u64,
@@ -135,11 +144,15 @@ impl Permit {
         self.sent = Instant::now();
     }
 
-    /// The step's answer came back, having run `execution` inside Redis: frees the place
-    /// and adjusts the window by the queue delay (round trip minus execution).
-    pub fn complete(mut self, execution: Duration) {
+    /// The step's answer came back, having walked `members` in `execution` inside Redis:
+    /// frees the place, adjusts the window by the queue delay (round trip minus
+    /// execution) and the step size by the time per member.
+    pub fn complete(mut self, execution: Duration, members: u64) {
         if let Some(limiter) = self.limiter.take() {
             let round_trip = self.sent.elapsed();
+            if members > 0 {
+                limiter.observe_step(execution, members);
+            }
             limiter.release(Some((self.sent, round_trip.saturating_sub(execution))));
         }
     }
@@ -182,6 +195,7 @@ impl Limiter {
                 last_cut: None,
                 cuts: 0,
                 pause: Duration::ZERO,
+                us_per_member: None,
                 waiting: BinaryHeap::new(),
                 asked: 0,
             }),
@@ -265,6 +279,30 @@ impl Limiter {
             tokio::time::sleep(pause).await;
         }
         permit
+    }
+
+    /// Members the next step should walk: about one target of execution, at least
+    /// [`MIN_STEP`] and at most `chunk_size` (which it is until a step was measured).
+    pub fn step_size(&self, chunk_size: usize) -> usize {
+        let per_member = self.state.lock().expect("limiter lock").us_per_member;
+        match per_member {
+            Some(us) if us > 0.0 => {
+                let fits = (self.target.as_micros() as f64 / us) as usize;
+                fits.clamp(MIN_STEP.min(chunk_size), chunk_size)
+            }
+            _ => chunk_size,
+        }
+    }
+
+    /// A step walked `members` in `execution`: the average time per member moves 20% of
+    /// the way to it.
+    fn observe_step(&self, execution: Duration, members: u64) {
+        let sample = execution.as_micros() as f64 / members as f64;
+        let mut state = self.state.lock().expect("limiter lock");
+        state.us_per_member = Some(match state.us_per_member {
+            Some(avg) => avg * 0.8 + sample * 0.2,
+            None => sample,
+        });
     }
 
     /// The pause before each step now (zero unless the window is at its floor of one).
@@ -365,6 +403,35 @@ mod tests {
         let l = Limiter::for_target(2, 8, StepOrder::RoundRobin, None).unwrap();
         assert_eq!(l.target(), 2 * MS);
         assert_eq!(l.order(), StepOrder::RoundRobin);
+    }
+
+    #[tokio::test]
+    async fn steps_are_sized_to_run_for_about_the_target() {
+        let l = limiter(8);
+        assert_eq!(
+            l.step_size(1000),
+            1000,
+            "chunk_size until a step is measured"
+        );
+        // 1000 members in 2.5 ms: 2.5 us each, so about 400 fit in the 1 ms target.
+        l.acquire(10)
+            .await
+            .complete(Duration::from_micros(2500), 1000);
+        assert_eq!(l.step_size(1000), 400);
+        // Never more than chunk_size, never fewer than MIN_STEP (or chunk_size if smaller).
+        assert_eq!(l.step_size(300), 300);
+        for _ in 0..50 {
+            l.acquire(10).await.complete(Duration::from_millis(50), 100);
+        }
+        assert_eq!(l.step_size(1000), MIN_STEP);
+        assert_eq!(l.step_size(50), 50);
+        // Fast steps bring it back up to chunk_size.
+        for _ in 0..50 {
+            l.acquire(10)
+                .await
+                .complete(Duration::from_micros(100), 1000);
+        }
+        assert_eq!(l.step_size(1000), 1000);
     }
 
     #[tokio::test]
@@ -470,7 +537,7 @@ mod tests {
         });
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert_eq!(l.in_flight(), 1, "both wait");
-        first.complete(Duration::ZERO);
+        first.complete(Duration::ZERO, 0);
         let small = tokio::time::timeout(Duration::from_secs(1), small)
             .await
             .expect("the smaller cleanup got the permit")

@@ -60,19 +60,25 @@ impl Cleaner {
                 if let Some(permit) = permit.as_mut() {
                     permit.sent();
                 }
-                let result = self.step_with(conn, server, mode, event_id, entry).await;
+                let size = match &self.limiter {
+                    Some(limiter) => limiter.step_size(self.chunk_size),
+                    None => self.chunk_size,
+                };
+                let result = self
+                    .step_sized(conn, server, mode, event_id, entry, size)
+                    .await;
                 let result = match result {
                     Err(Error::Redis(e)) if e.code() == Some("OOM") && mode == WalkMode::Scan => {
                         if !oom.swap(true, Ordering::Relaxed) {
                             tracing::warn!(server_id = %server, "Redis is out of memory: walking on with SPOP, which needs none");
                         }
-                        self.step_with(conn, server, WalkMode::Pop, event_id, entry)
+                        self.step_sized(conn, server, WalkMode::Pop, event_id, entry, size)
                             .await
                     }
                     other => other,
                 };
                 if let (Some(permit), Ok(step)) = (permit, &result) {
-                    permit.complete(Duration::from_micros(step.execution_us));
+                    permit.complete(Duration::from_micros(step.execution_us), step.scanned);
                     let _ = left.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
                         Some(n.saturating_sub(step.scanned))
                     });
@@ -135,6 +141,20 @@ impl Cleaner {
         event_id: &str,
         entry: Option<&str>,
     ) -> Result<Step> {
+        self.step_sized(conn, server, mode, event_id, entry, self.chunk_size)
+            .await
+    }
+
+    /// [`Cleaner::step_with`] walking `size` members (the limiter's step size).
+    async fn step_sized(
+        &self,
+        conn: &RedisConn,
+        server: &ServerId,
+        mode: WalkMode,
+        event_id: &str,
+        entry: Option<&str>,
+        size: usize,
+    ) -> Result<Step> {
         let layout = self.layout.as_str();
         let mut call = CLEAN_STEP.prepare_invoke();
         call.key(self.keys.server_users(server))
@@ -148,7 +168,7 @@ impl Cleaner {
             call.key(stream);
         }
         call.arg(server.as_str())
-            .arg(self.chunk_size)
+            .arg(size)
             .arg(layout)
             .arg(self.keys.user_key_prefix())
             .arg(match mode {
