@@ -85,7 +85,11 @@ impl Reconciler {
             .arg(self.settings.heartbeat_grace_ms)
             .invoke_async(&mut self.conn.clone())
             .await?;
-        let owners = self.owners_on_cluster(members.iter().chain(&due)).await?;
+        let read: Vec<Vec<u8>> = members.iter().chain(&due).cloned().collect();
+        let owners: Vec<Option<Vec<u8>>> =
+            crate::registry::Registry::new(self.keys.clone(), self.settings.layout)
+                .owners_as(&self.conn, &read)
+                .await?;
         let (member_owners, due_owners) = owners.split_at(members.len());
         let own = server.as_str().as_bytes();
         let aside: Vec<&Vec<u8>> = members
@@ -115,33 +119,6 @@ impl Reconciler {
         }
         let removed: u64 = call.invoke_async(&mut self.conn.clone()).await?;
         Ok((next, members.len() as u64, removed))
-    }
-
-    /// The forward entries' owners of `users`, as bytes (an owner written by something
-    /// else than a connection server may be anything), in order: HMGET of `registry`
-    /// (layout hash) or one GET per user key, many in flight.
-    async fn owners_on_cluster<'a>(
-        &self,
-        users: impl Iterator<Item = &'a Vec<u8>>,
-    ) -> Result<Vec<Option<Vec<u8>>>> {
-        let users: Vec<&Vec<u8>> = users.collect();
-        if users.is_empty() {
-            return Ok(Vec::new());
-        }
-        match self.settings.layout {
-            Layout::Hash => Ok(redis::cmd("HMGET")
-                .arg(self.keys.registry())
-                .arg(&users)
-                .query_async(&mut self.conn.clone())
-                .await?),
-            Layout::Keys => {
-                let gets = users
-                    .iter()
-                    .map(|u| redis::cmd("GET").arg(self.keys.user(u)).to_owned())
-                    .collect();
-                conn::each_in_flight(&self.conn, gets).await
-            }
-        }
     }
 
     /// Layout hash: HSCAN of `registry` (one key, one slot) through the cluster connection.

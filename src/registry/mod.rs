@@ -350,6 +350,16 @@ impl Registry {
 
     /// Owners of many users at once (HMGET or MGET), in order.
     pub async fn owners(&self, conn: &RedisConn, users: &[Vec<u8>]) -> Result<Vec<Option<String>>> {
+        self.owners_as(conn, users).await
+    }
+
+    /// [`Registry::owners`] as `T`: `Option<Vec<u8>>` where an owner written by something
+    /// else than a connection server may be any bytes.
+    pub async fn owners_as<T: redis::FromRedisValue + Send + 'static>(
+        &self,
+        conn: &RedisConn,
+        users: &[Vec<u8>],
+    ) -> Result<Vec<T>> {
         if users.is_empty() {
             return Ok(Vec::new());
         }

@@ -158,10 +158,23 @@ pub(super) async fn janitor_run(
 
 /// A `registry-janitor worker` process on the scene's keys, configured by `JANITOR_*`.
 fn spawn_worker(settings: &Settings, scene: &Scene, worker_exe: &Path) -> Result<Child> {
-    tokio::process::Command::new(worker_exe)
-        .arg("worker")
+    worker_command(settings, scene.keys.prefix(), worker_exe)
+        .spawn()
+        .map_err(|e| Error::io(format!("starting {}", worker_exe.display()), e))
+}
+
+/// The command of a `registry-janitor worker` of `worker_exe` on the keys under `prefix`,
+/// configured by `JANITOR_*` from `settings` (no metrics, short reads, warnings only),
+/// killed when dropped. The zone benchmark adds its own settings.
+pub(super) fn worker_command(
+    settings: &Settings,
+    prefix: &str,
+    worker_exe: &Path,
+) -> tokio::process::Command {
+    let mut cmd = tokio::process::Command::new(worker_exe);
+    cmd.arg("worker")
         .env("JANITOR_REDIS_URL", &settings.redis_url)
-        .env("JANITOR_KEY_PREFIX", scene.keys.prefix())
+        .env("JANITOR_KEY_PREFIX", prefix)
         .env("JANITOR_LAYOUT", settings.layout.as_str())
         .env("JANITOR_REDIS_CLUSTER", settings.redis_cluster.to_string())
         .env(
@@ -178,9 +191,8 @@ fn spawn_worker(settings: &Settings, scene: &Scene, worker_exe: &Path) -> Result
         .env("RUST_LOG", "warn")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .map_err(|e| Error::io(format!("starting {}", worker_exe.display()), e))
+        .kill_on_drop(true);
+    cmd
 }
 
 #[derive(Clone, Copy)]

@@ -284,7 +284,7 @@ impl ZoneBench<'_> {
         let probe = self.spawn_probe(&scene.keys)?;
         // A second of lookups with Redis idle first: the machine's own floor.
         tokio::time::sleep(Duration::from_millis(1000)).await;
-        let cpu_before = redis_cpu(self.conn).await?;
+        let cpu_before = super::probe::redis_cpu(self.settings, self.conn).await?;
         // Every event at once: one pipeline of XADDs.
         let mut pipe = redis::pipe();
         for server in &scene.dead {
@@ -316,7 +316,8 @@ impl ZoneBench<'_> {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        let redis_cpu_seconds = redis_cpu(self.conn).await? - cpu_before;
+        let redis_cpu_seconds =
+            super::probe::redis_cpu(self.settings, self.conn).await? - cpu_before;
         let lookups = probe.finish().await?;
         let (mut rss, mut cpu) = (0, 0.0);
         for child in &children {
@@ -397,23 +398,11 @@ impl ZoneBench<'_> {
     /// A worker process on `keys`, configured by `JANITOR_*`.
     fn spawn_worker(&self, keys: &Keys, target: u64, order: &str) -> Result<Child> {
         let s = self.settings;
-        tokio::process::Command::new(self.worker_exe)
-            .arg("worker")
-            .env("JANITOR_REDIS_URL", &s.redis_url)
-            .env("JANITOR_KEY_PREFIX", keys.prefix())
-            .env("JANITOR_LAYOUT", s.layout.as_str())
-            .env("JANITOR_CHUNK_SIZE", s.chunk_size.to_string())
+        super::runs::worker_command(s, keys.prefix(), self.worker_exe)
             .env("JANITOR_CONCURRENCY", s.concurrency.to_string())
-            .env("JANITOR_CHUNKS_IN_FLIGHT", s.chunks_in_flight.to_string())
             .env("JANITOR_LATENCY_TARGET_MS", target.to_string())
             .env("JANITOR_STEP_ORDER", order)
             .env("JANITOR_EVICTIONS", s.evictions.to_string())
-            .env("JANITOR_METRICS_ADDR", "off")
-            .env("JANITOR_BLOCK_MS", "100")
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .kill_on_drop(true)
             .spawn()
             .map_err(|e| Error::io(format!("starting {}", self.worker_exe.display()), e))
     }
@@ -452,27 +441,6 @@ fn id_ms(id: &str) -> u64 {
         .next()
         .and_then(|ms| ms.parse().ok())
         .unwrap_or(0)
-}
-
-async fn redis_cpu(conn: &RedisConn) -> Result<f64> {
-    let info: String = redis::cmd("INFO")
-        .arg("cpu")
-        .query_async(&mut conn.clone())
-        .await?;
-    let field = |name: &str| {
-        info.lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
-            .and_then(|v| v.trim().parse::<f64>().ok())
-    };
-    Ok(
-        match (
-            field("used_cpu_user_main_thread"),
-            field("used_cpu_sys_main_thread"),
-        ) {
-            (Some(u), Some(s)) => u + s,
-            _ => field("used_cpu_user").unwrap_or(0.0) + field("used_cpu_sys").unwrap_or(0.0),
-        },
-    )
 }
 
 /// utime + stime of a process, in seconds (Linux /proc; 100 ticks a second).
