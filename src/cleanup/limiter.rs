@@ -282,15 +282,19 @@ impl Limiter {
     }
 
     /// Members the next step should walk: about one target of execution, at least
-    /// [`MIN_STEP`] and at most `chunk_size` (which it is until a step was measured).
+    /// [`MIN_STEP`] and at most `chunk_size`. Until a step was measured, [`MIN_STEP`]: a
+    /// whole fleet starts at once after a zone outage, and its first steps at full
+    /// `chunk_size` (several ms each) all queue in front of the lookups at the same moment.
     pub fn step_size(&self, chunk_size: usize) -> usize {
         let per_member = self.state.lock().expect("limiter lock").us_per_member;
+        let floor = MIN_STEP.min(chunk_size);
         match per_member {
             Some(us) if us > 0.0 => {
                 let fits = (self.target.as_micros() as f64 / us) as usize;
-                fits.clamp(MIN_STEP.min(chunk_size), chunk_size)
+                fits.clamp(floor, chunk_size)
             }
-            _ => chunk_size,
+            Some(_) => chunk_size,
+            None => floor,
         }
     }
 
@@ -410,9 +414,10 @@ mod tests {
         let l = limiter(8);
         assert_eq!(
             l.step_size(1000),
-            1000,
-            "chunk_size until a step is measured"
+            MIN_STEP,
+            "MIN_STEP until a step is measured"
         );
+        assert_eq!(l.step_size(50), 50, "never more than chunk_size");
         // 1000 members in 2.5 ms: 2.5 us each, so about 400 fit in the 1 ms target.
         l.acquire(10)
             .await

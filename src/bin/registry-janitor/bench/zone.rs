@@ -74,6 +74,13 @@ pub struct ZoneRun {
     pub worker_cpu_seconds_per_million_users: f64,
     /// Redis main-thread CPU seconds over the run.
     pub redis_cpu_seconds: f64,
+    /// The slowest command that Redis itself ran while the zone was cleaned (its SLOWLOG,
+    /// execution time only), and its name: a lookup max well above it was spent outside
+    /// Redis's execution (queued behind other commands, or the machine's scheduling).
+    pub redis_slowest_us: u64,
+    pub redis_slowest_command: String,
+    /// Commands that ran for more than 5 ms.
+    pub redis_commands_over_5ms: u64,
     /// Events acknowledged (by their `server.cleaned`), of `servers`.
     pub acknowledged: usize,
     /// Forward entries still naming a dead server, and reverse-index keys left.
@@ -285,6 +292,7 @@ impl ZoneBench<'_> {
         // A second of lookups with Redis idle first: the machine's own floor.
         tokio::time::sleep(Duration::from_millis(1000)).await;
         let cpu_before = super::probe::redis_cpu(self.settings, self.conn).await?;
+        slowlog_reset(self.conn).await?;
         // Every event at once: one pipeline of XADDs.
         let mut pipe = redis::pipe();
         for server in &scene.dead {
@@ -318,6 +326,7 @@ impl ZoneBench<'_> {
         }
         let redis_cpu_seconds =
             super::probe::redis_cpu(self.settings, self.conn).await? - cpu_before;
+        let slowest = slowlog_read(self.conn).await?;
         let lookups = probe.finish().await?;
         let (mut rss, mut cpu) = (0, 0.0);
         for child in &children {
@@ -389,6 +398,9 @@ impl ZoneBench<'_> {
             worker_cpu_seconds: cpu,
             worker_cpu_seconds_per_million_users: cpu * 1e6 / users.max(1) as f64,
             redis_cpu_seconds,
+            redis_slowest_us: slowest.max_us,
+            redis_slowest_command: slowest.command,
+            redis_commands_over_5ms: slowest.over_5ms,
             acknowledged: windows.len(),
             stale_left,
             live_lost,
@@ -441,6 +453,77 @@ fn id_ms(id: &str) -> u64 {
         .next()
         .and_then(|ms| ms.parse().ok())
         .unwrap_or(0)
+}
+
+/// Redis's SLOWLOG over a run: every command of 1 ms or more is kept (up to 4,096).
+struct Slowest {
+    max_us: u64,
+    command: String,
+    over_5ms: u64,
+}
+
+async fn slowlog_reset(conn: &RedisConn) -> Result<()> {
+    redis::pipe()
+        .cmd("CONFIG")
+        .arg("SET")
+        .arg("slowlog-log-slower-than")
+        .arg(1000)
+        .ignore()
+        .cmd("CONFIG")
+        .arg("SET")
+        .arg("slowlog-max-len")
+        .arg(4096)
+        .ignore()
+        .cmd("SLOWLOG")
+        .arg("RESET")
+        .ignore()
+        .query_async::<()>(&mut conn.clone())
+        .await?;
+    Ok(())
+}
+
+async fn slowlog_read(conn: &RedisConn) -> Result<Slowest> {
+    // Each entry: id, unix time, duration in us, [command, args...], client addr, name.
+    let entries: Vec<redis::Value> = redis::cmd("SLOWLOG")
+        .arg("GET")
+        .arg(4096)
+        .query_async(&mut conn.clone())
+        .await?;
+    let mut out = Slowest {
+        max_us: 0,
+        command: String::new(),
+        over_5ms: 0,
+    };
+    for entry in entries {
+        let redis::Value::Array(fields) = entry else {
+            continue;
+        };
+        let us: u64 = fields
+            .get(2)
+            .and_then(|v| redis::from_redis_value_ref(v).ok())
+            .unwrap_or(0);
+        let argv: Vec<Vec<u8>> = fields
+            .get(3)
+            .and_then(|v| redis::from_redis_value_ref(v).ok())
+            .unwrap_or_default();
+        // The benchmark's own SLOWLOG RESET (it frees the previous run's entries).
+        if argv.first().is_some_and(|c| c.eq_ignore_ascii_case(b"slowlog")) {
+            continue;
+        }
+        if us > 5000 {
+            out.over_5ms += 1;
+        }
+        if us > out.max_us {
+            out.max_us = us;
+            out.command = argv
+                .iter()
+                .take(2)
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect::<Vec<_>>()
+                .join(" ");
+        }
+    }
+    Ok(out)
 }
 
 /// utime + stime of a process, in seconds (Linux /proc; 100 ticks a second).
@@ -603,6 +686,13 @@ fn median(runs: &[ZoneRun], name: &str) -> ZoneRun {
         worker_cpu_seconds: f(|r| r.worker_cpu_seconds),
         worker_cpu_seconds_per_million_users: f(|r| r.worker_cpu_seconds_per_million_users),
         redis_cpu_seconds: f(|r| r.redis_cpu_seconds),
+        redis_slowest_us: of.iter().map(|r| r.redis_slowest_us).max().unwrap_or(0),
+        redis_slowest_command: of
+            .iter()
+            .max_by_key(|r| r.redis_slowest_us)
+            .map(|r| r.redis_slowest_command.clone())
+            .unwrap_or_default(),
+        redis_commands_over_5ms: of.iter().map(|r| r.redis_commands_over_5ms).max().unwrap_or(0),
         acknowledged: of.iter().map(|r| r.acknowledged).min().unwrap_or(0),
         stale_left: of.iter().map(|r| r.stale_left).max().unwrap_or(0),
         live_lost: of.iter().map(|r| r.live_lost).max().unwrap_or(0),
@@ -662,6 +752,15 @@ impl fmt::Display for ZoneReport {
                 s.zone.idle_lookup_p50_us,
                 s.zone.idle_lookup_p99_us,
                 s.zone.idle_lookup_max_us
+            )?;
+            writeln!(
+                f,
+                "{:>6} {:<14} slowest command in Redis while the zone was cleaned: {} us ({}), {} over 5 ms",
+                s.latency_target_ms,
+                s.step_order,
+                s.zone.redis_slowest_us,
+                s.zone.redis_slowest_command,
+                s.zone.redis_commands_over_5ms
             )?;
         }
         Ok(())
