@@ -16,10 +16,12 @@
 //!   there starts pacing instead: a pause before each step (250 us, doubled per round trip
 //!   while the delay stays over, at most 20 targets), halved per step under the target;
 //!   the window grows again only once the pause is gone;
-//! - a step cannot be interrupted, so a lookup may wait for a whole one: the step's size
-//!   (members per step) follows too, so that one step runs for about the target. Each
-//!   step's execution time per member walked is averaged (EWMA), and a step walks
-//!   `target / time per member` members, at least [`MIN_STEP`] and at most `chunk_size`.
+//! - a step cannot be interrupted, so a lookup waits for the queue in front of it and for
+//!   the rest of the step that is running: the step's size (members per step) follows
+//!   too, so that one step runs for about half the target (the queue gets the other
+//!   half). Each step's execution time per member walked is averaged (EWMA), and a step
+//!   walks `target / 2 / time per member` members, at least [`MIN_STEP`] and at most
+//!   `chunk_size`; [`MIN_STEP`] until a step was measured.
 //!
 //! Every worker that sees the queue grow backs off, so the fleet's queue converges near the
 //! target whatever the number of processes. A step acquires a permit before it is sent;
@@ -281,7 +283,7 @@ impl Limiter {
         permit
     }
 
-    /// Members the next step should walk: about one target of execution, at least
+    /// Members the next step should walk: about half a target of execution, at least
     /// [`MIN_STEP`] and at most `chunk_size`. Until a step was measured, [`MIN_STEP`]: a
     /// whole fleet starts at once after a zone outage, and its first steps at full
     /// `chunk_size` (several ms each) all queue in front of the lookups at the same moment.
@@ -290,7 +292,7 @@ impl Limiter {
         let floor = MIN_STEP.min(chunk_size);
         match per_member {
             Some(us) if us > 0.0 => {
-                let fits = (self.target.as_micros() as f64 / us) as usize;
+                let fits = (self.target.as_micros() as f64 / 2.0 / us) as usize;
                 fits.clamp(floor, chunk_size)
             }
             Some(_) => chunk_size,
@@ -418,13 +420,13 @@ mod tests {
             "MIN_STEP until a step is measured"
         );
         assert_eq!(l.step_size(50), 50, "never more than chunk_size");
-        // 1000 members in 2.5 ms: 2.5 us each, so about 400 fit in the 1 ms target.
+        // 1000 members in 2.5 ms: 2.5 us each, so about 200 fit in half the 1 ms target.
         l.acquire(10)
             .await
             .complete(Duration::from_micros(2500), 1000);
-        assert_eq!(l.step_size(1000), 400);
+        assert_eq!(l.step_size(1000), 200);
         // Never more than chunk_size, never fewer than MIN_STEP (or chunk_size if smaller).
-        assert_eq!(l.step_size(300), 300);
+        assert_eq!(l.step_size(150), 150);
         for _ in 0..50 {
             l.acquire(10).await.complete(Duration::from_millis(50), 100);
         }

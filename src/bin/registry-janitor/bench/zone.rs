@@ -507,7 +507,10 @@ async fn slowlog_read(conn: &RedisConn) -> Result<Slowest> {
             .and_then(|v| redis::from_redis_value_ref(v).ok())
             .unwrap_or_default();
         // The benchmark's own SLOWLOG RESET (it frees the previous run's entries).
-        if argv.first().is_some_and(|c| c.eq_ignore_ascii_case(b"slowlog")) {
+        if argv
+            .first()
+            .is_some_and(|c| c.eq_ignore_ascii_case(b"slowlog"))
+        {
             continue;
         }
         if us > 5000 {
@@ -692,7 +695,11 @@ fn median(runs: &[ZoneRun], name: &str) -> ZoneRun {
             .max_by_key(|r| r.redis_slowest_us)
             .map(|r| r.redis_slowest_command.clone())
             .unwrap_or_default(),
-        redis_commands_over_5ms: of.iter().map(|r| r.redis_commands_over_5ms).max().unwrap_or(0),
+        redis_commands_over_5ms: of
+            .iter()
+            .map(|r| r.redis_commands_over_5ms)
+            .max()
+            .unwrap_or(0),
         acknowledged: of.iter().map(|r| r.acknowledged).min().unwrap_or(0),
         stale_left: of.iter().map(|r| r.stale_left).max().unwrap_or(0),
         live_lost: of.iter().map(|r| r.live_lost).max().unwrap_or(0),
