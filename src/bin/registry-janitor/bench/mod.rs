@@ -95,6 +95,8 @@ pub struct Report {
     pub layout: String,
     pub chunk_size: usize,
     pub chunks_in_flight: usize,
+    /// The janitor's step limiter (0: off).
+    pub latency_target_ms: u64,
     /// The median run of each kind (by users per second), then the single runs.
     pub runs: Vec<Run>,
     /// Every repetition of janitor, careful and unconditional, in the order run.
@@ -138,6 +140,7 @@ pub async fn run(settings: &Settings, options: &Options, worker_exe: &Path) -> R
         layout: settings.layout.as_str().into(),
         chunk_size: settings.chunk_size,
         chunks_in_flight: settings.chunks_in_flight,
+        latency_target_ms: settings.latency_target_ms,
         ratios: ratios(&runs),
         stale_window: StaleWindow::total(repeats.iter().filter_map(|r| r.stale_window.as_ref())),
         runs,

@@ -16,8 +16,12 @@ impl Report {
     fn table(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "redis {} | layout {} | chunk_size {} | chunks_in_flight {}",
-            self.redis_version, self.layout, self.chunk_size, self.chunks_in_flight
+            "redis {} | layout {} | chunk_size {} | chunks_in_flight {} | latency_target_ms {}",
+            self.redis_version,
+            self.layout,
+            self.chunk_size,
+            self.chunks_in_flight,
+            self.latency_target_ms
         )?;
         writeln!(
             f,

@@ -186,6 +186,11 @@ pub(super) fn worker_command(
             "JANITOR_CHUNKS_IN_FLIGHT",
             settings.chunks_in_flight.to_string(),
         )
+        .env(
+            "JANITOR_LATENCY_TARGET_MS",
+            settings.latency_target_ms.to_string(),
+        )
+        .env("JANITOR_STEP_ORDER", settings.step_order.as_str())
         .env("JANITOR_METRICS_ADDR", "off")
         .env("JANITOR_BLOCK_MS", "100")
         .env("RUST_LOG", "warn")
