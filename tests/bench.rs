@@ -4,14 +4,31 @@
 mod common;
 
 use common::*;
-use registry_janitor::config::Layout;
+use registry_janitor::config::{Layout, Settings};
+
+/// `registry-janitor bench <args> --repeat 1 --json` on `settings`: its JSON report (the
+/// command must succeed).
+fn bench_json(settings: &Settings, args: &[&str]) -> serde_json::Value {
+    let out = janitor(settings)
+        .arg("bench")
+        .args(args)
+        .args(["--repeat", "1", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "bench {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
 
 fn bench(layout: Layout) {
     let redis = redis();
     let settings = settings(&redis, layout);
-    let out = janitor(&settings)
-        .args([
-            "bench",
+    let report = bench_json(
+        &settings,
+        &[
             "--users",
             "20000",
             "--naive-sample",
@@ -20,13 +37,8 @@ fn bench(layout: Layout) {
             "5000",
             "--route-lookups",
             "2000",
-        ])
-        .args(["--repeat", "1", "--json"])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "bench failed: {stderr}");
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        ],
+    );
     let run = |name: &str| {
         report["runs"]
             .as_array()
@@ -113,25 +125,20 @@ fn bench_verifies_every_run_on_a_local_cluster() {
     let redis = redis(); // only for a settings template; the bench starts its own cluster
     let mut settings = settings(&redis, Layout::Keys);
     settings.redis_url = "redis://127.0.0.1:1".into();
-    let out = janitor(&settings)
-        .args([
-            "bench",
+    let report = bench_json(
+        &settings,
+        &[
             "--local-cluster",
             "--users",
             "5000",
             "--naive-sample",
             "300",
-        ])
-        .args(["--baseline-users", "1000", "--route-lookups", "500"])
-        .args(["--repeat", "1", "--json"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "bench failed: {}",
-        String::from_utf8_lossy(&out.stderr)
+            "--baseline-users",
+            "1000",
+            "--route-lookups",
+            "500",
+        ],
     );
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let runs = report["runs"].as_array().unwrap();
     for name in ["janitor", "janitor_baseline", "naive"] {
         let r = runs.iter().find(|r| r["name"] == name).unwrap();
@@ -154,28 +161,21 @@ fn bench_verifies_every_run_on_a_local_cluster() {
 fn bench_zone_verifies_every_run() {
     let redis = redis(); // only for a settings template; the zone bench starts its own
     let settings = settings(&redis, Layout::Hash);
-    let out = janitor(&settings)
-        .args([
-            "bench",
+    let report = bench_json(
+        &settings,
+        &[
             "--zone",
             "6",
             "--zone-users",
             "3000",
             "--workers",
             "2",
-        ])
-        .args([
             "--latency-targets",
             "0,1",
             "--step-orders",
             "smallest_first,round_robin",
-        ])
-        .args(["--repeat", "1", "--json"])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "bench --zone failed: {stderr}");
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        ],
+    );
     let settings_run = report["settings"].as_array().unwrap();
     assert_eq!(settings_run.len(), 4, "{report}");
     for s in settings_run {

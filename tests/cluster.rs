@@ -270,9 +270,7 @@ async fn a_master_killed_mid_cleanup_fails_over_and_the_cleanup_finishes() {
     f.wait_idle(Duration::from_secs(90)).await;
     // Checked over a new connection, which learns the new topology at once (a long-lived
     // one may still hold a route to the dead master for a while under load).
-    let fresh = conn::shared_for(&conn::target_for(&f.settings).unwrap())
-        .await
-        .unwrap();
+    let fresh = fresh_conn(&f.settings).await;
     assert_eq!(
         still_pointing(&f.registry, &fresh, &dead, USERS).await,
         0,
@@ -758,9 +756,7 @@ async fn a_takeover_after_a_failover_walks_the_set_again() {
     f.cluster
         .wait_ok(Duration::from_secs(30))
         .expect("the replica takes over");
-    let fresh = conn::shared_for(&conn::target_for(&f.settings).unwrap())
-        .await
-        .unwrap();
+    let fresh = fresh_conn(&f.settings).await;
     let second = spawn_worker(&f.settings);
     wait_until(
         &f.cluster.nodes[keep[0].unwrap()],
@@ -1182,9 +1178,7 @@ async fn a_live_reshard_during_the_cleanup_loses_nothing() {
 
     // A connection of its own for the checks: the test's own one met the reshards, and
     // redis-rs may time out a request or two while it catches up with the slot map.
-    let conn = conn::shared_for(&conn::target_for(&f.settings).unwrap())
-        .await
-        .unwrap();
+    let conn = fresh_conn(&f.settings).await;
     assert_eq!(
         still_pointing(&f.registry, &conn, &dead, USERS).await,
         0,

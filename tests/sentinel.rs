@@ -238,9 +238,7 @@ async fn a_primary_killed_mid_cleanup_fails_over_and_the_cleanup_finishes() {
 
     f.wait_idle(&f.conn, Duration::from_secs(120)).await;
     // A connection made after the failover, through the sentinels.
-    let fresh = conn::shared_for(&conn::target_for(&f.settings).unwrap())
-        .await
-        .unwrap();
+    let fresh = fresh_conn(&f.settings).await;
     assert_eq!(
         still_pointing(&f.registry, &fresh, &dead, USERS).await,
         0,

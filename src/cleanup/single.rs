@@ -125,27 +125,17 @@ impl Cleaner {
         Ok(users + walking + moved)
     }
 
-    /// One call of the step script, walking with SSCAN (see [`Cleaner::step_with`]).
+    /// One call of the step script, walking `chunk_size` members with SSCAN (see
+    /// [`Cleaner::step_sized`]).
     pub async fn step(&self, conn: &RedisConn, server: &ServerId) -> Result<Step> {
-        self.step_with(conn, server, WalkMode::Scan, "", None).await
-    }
-
-    /// One call of the step script (clean_step.lua) in `mode`; with `entry`, the step that
-    /// finds nothing left acknowledges that entry. The users it deletes are announced on
-    /// the evictions stream, with `event_id`.
-    pub async fn step_with(
-        &self,
-        conn: &RedisConn,
-        server: &ServerId,
-        mode: WalkMode,
-        event_id: &str,
-        entry: Option<&str>,
-    ) -> Result<Step> {
-        self.step_sized(conn, server, mode, event_id, entry, self.chunk_size)
+        self.step_sized(conn, server, WalkMode::Scan, "", None, self.chunk_size)
             .await
     }
 
-    /// [`Cleaner::step_with`] walking `size` members (the limiter's step size).
+    /// One call of the step script (clean_step.lua) in `mode`, walking `size` members (the
+    /// limiter's step size, or `chunk_size`); with `entry`, the step that finds nothing
+    /// left acknowledges that entry. The users it deletes are announced on the evictions
+    /// stream, with `event_id`.
     async fn step_sized(
         &self,
         conn: &RedisConn,

@@ -128,28 +128,7 @@ pub fn key_slot(key: &[u8]) -> u16 {
             (close > 0).then(|| &rest[..close])
         })
         .unwrap_or(key);
-    (crc16_xmodem(tagged) as usize % SLOTS) as u16
-}
-
-fn crc16_xmodem(data: &[u8]) -> u16 {
-    static TABLE: std::sync::LazyLock<[u16; 256]> = std::sync::LazyLock::new(|| {
-        let mut table = [0u16; 256];
-        for (i, entry) in table.iter_mut().enumerate() {
-            let mut crc = (i as u16) << 8;
-            for _ in 0..8 {
-                crc = if crc & 0x8000 != 0 {
-                    (crc << 1) ^ 0x1021
-                } else {
-                    crc << 1
-                };
-            }
-            *entry = crc;
-        }
-        table
-    });
-    data.iter().fold(0u16, |crc, &b| {
-        (crc << 8) ^ TABLE[((crc >> 8) as u8 ^ b) as usize]
-    })
+    (crc16::State::<crc16::XMODEM>::calculate(tagged) as usize % SLOTS) as u16
 }
 
 /// Which master serves each slot, as one node saw it (CLUSTER SLOTS): masters are

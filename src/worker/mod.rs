@@ -158,18 +158,9 @@ impl Worker {
 
         match this
             .watch()
-            .retrying("checking INFO", &shutdown, || {
-                crate::cleanup::check_walkable(&this.conn)
-            })
-            .await
-        {
-            Err(Error::Cancelled) => return Ok(()),
-            other => other?,
-        }
-        match this
-            .watch()
-            .retrying("checking Lua scripting", &shutdown, || {
-                crate::cleanup::check_scripting(&this.conn)
+            .retrying("checking INFO and Lua scripting", &shutdown, || async {
+                crate::cleanup::check_walkable(&this.conn).await?;
+                crate::cleanup::check_scripting(&this.conn).await
             })
             .await
         {

@@ -260,6 +260,14 @@ pub async fn wait_idle(server: &RedisServer, conn: &RedisConn, keys: &Keys) {
     .await;
 }
 
+/// A new connection to what `settings` name: after a failover or a reshard it learns the
+/// topology at once, where a long-lived one may still route to a dead master for a while.
+pub async fn fresh_conn(settings: &Settings) -> RedisConn {
+    conn::shared_for(&conn::target_for(settings).unwrap())
+        .await
+        .unwrap()
+}
+
 /// Counts `server`'s seeded users (0..users) whose forward entry still names it.
 pub async fn still_pointing(
     registry: &Registry,

@@ -87,14 +87,14 @@ fn info_field(info: &str, name: &str) -> Option<String> {
 }
 
 /// Issues one routing lookup per millisecond on its own connection until stopped;
-/// returns the latencies in microseconds.
+/// returns each lookup's (unix ms when sent, latency in microseconds).
 pub(super) async fn probe_lookups(
     target: conn::Target,
     scene_keys: Keys,
     layout: Layout,
     targets: Vec<Vec<u8>>,
     stop: CancellationToken,
-) -> Result<Vec<u64>> {
+) -> Result<Vec<(u64, u64)>> {
     // A connection of its own (a new one, of the same kind as the janitor's).
     let mut c = conn::shared_for(&target).await?;
     let mut tick = tokio::time::interval(Duration::from_millis(1));
@@ -106,6 +106,7 @@ pub(super) async fn probe_lookups(
         let user = &targets[i % targets.len()];
         i += 1;
         let started = Instant::now();
+        let at_ms = registry_janitor::now_ms();
         let _: Option<String> = match layout {
             Layout::Hash => {
                 redis::cmd("HGET")
@@ -121,7 +122,7 @@ pub(super) async fn probe_lookups(
                     .await?
             }
         };
-        latencies.push(started.elapsed().as_micros() as u64);
+        latencies.push((at_ms, started.elapsed().as_micros() as u64));
     }
     Ok(latencies)
 }

@@ -55,7 +55,7 @@ where
     let seconds = started.elapsed().as_secs_f64();
     let cpu = redis_cpu(settings, conn).await? - cpu_before;
     stop.cancel();
-    let mut latencies = prober.await??;
+    let mut latencies: Vec<u64> = prober.await??.into_iter().map(|(_, us)| us).collect();
     latencies.sort_unstable();
     let pct = |p: f64| super::probe::percentile(&latencies, p);
     let (stale_left, live_lost) = scene.verify(conn).await?;

@@ -779,7 +779,7 @@ impl fmt::Display for ZoneReport {
 /// microseconds), as a JSON array on stdout.
 pub async fn probe(settings: &Settings, options: &ProbeOptions) -> Result<()> {
     let keys = Keys::new(settings.key_prefix.clone());
-    let mut c = conn::shared_for(&conn::target_for(settings)?).await?;
+    let target = conn::target_for(settings)?;
     let stop = tokio_util::sync::CancellationToken::new();
     let watch = stop.clone();
     tokio::spawn(async move {
@@ -794,33 +794,7 @@ pub async fn probe(settings: &Settings, options: &ProbeOptions) -> Result<()> {
         watch.cancel();
     });
     let users: Vec<Vec<u8>> = (0..options.users.max(1)).map(live_user).collect();
-    let mut tick = tokio::time::interval(Duration::from_millis(1));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-    let mut latencies: Vec<(u64, u64)> = Vec::with_capacity(65_536);
-    let mut i = 0;
-    while !stop.is_cancelled() {
-        tick.tick().await;
-        let user = &users[i % users.len()];
-        i += 1;
-        let started = Instant::now();
-        let at_ms = registry_janitor::now_ms();
-        let _: Option<String> = match settings.layout {
-            registry_janitor::config::Layout::Hash => {
-                redis::cmd("HGET")
-                    .arg(keys.registry())
-                    .arg(user)
-                    .query_async(&mut c)
-                    .await?
-            }
-            registry_janitor::config::Layout::Keys => {
-                redis::cmd("GET")
-                    .arg(keys.user(user))
-                    .query_async(&mut c)
-                    .await?
-            }
-        };
-        latencies.push((at_ms, started.elapsed().as_micros() as u64));
-    }
+    let latencies = super::probe::probe_lookups(target, keys, settings.layout, users, stop).await?;
     let mut out = tokio::io::stdout();
     let json = serde_json::to_vec(&latencies).expect("numbers serialize");
     out.write_all(&json)
