@@ -55,8 +55,9 @@
 local started = redis.call('TIME')
 local function elapsed_us()
   local now = redis.call('TIME')
-  return (tonumber(now[1]) - tonumber(started[1])) * 1000000
-    + tonumber(now[2]) - tonumber(started[2])
+  -- TIME is the wall clock: never negative if it is stepped back during the script.
+  return math.max(0, (tonumber(now[1]) - tonumber(started[1])) * 1000000
+    + tonumber(now[2]) - tonumber(started[2]))
 end
 
 local users_key, walking_key, moved_key = KEYS[1], KEYS[2], KEYS[3]

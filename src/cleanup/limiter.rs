@@ -7,7 +7,13 @@
 //! adjusts the way TCP adjusts its congestion window (AIMD), without any coordination:
 //! - each step reports its own execution time (clean_step.lua reads TIME at its start and
 //!   its end); the worker measures the round trip, and round trip minus execution is the
-//!   time the step waited behind other commands: the queue delay;
+//!   time the step waited behind other commands, plus the network's round trip and the
+//!   worker's own scheduling, which no queue in Redis causes: so the lowest such delay
+//!   seen lately (over the current and the previous minute, as LEDBAT keeps its base
+//!   delay; after 16 steps, zero before) is the base, and what a step waited above it is
+//!   its queue delay. A 1 ms
+//!   target then holds where the network alone takes 1 ms or more (another zone, TLS, a
+//!   hosted Redis), which would otherwise keep the worker paced at its slowest for good;
 //! - a delay above `latency_target_ms` halves the window (floor 1), at most once per round
 //!   trip: only a step sent after the last cut can cut again;
 //! - otherwise the window grows by one per window's worth of completed steps, up to
@@ -45,6 +51,48 @@ pub const MIN_STEP: usize = 100;
 /// The shortest pause when pacing, and the longest, in targets.
 const MIN_PAUSE: Duration = Duration::from_micros(250);
 const MAX_PAUSE_TARGETS: u32 = 20;
+
+/// The base delay is the lowest of the current and the previous period of this length.
+const BASE_PERIOD: Duration = Duration::from_secs(60);
+/// Steps a process measures before it trusts its base delay: at a zone outage its first
+/// steps all wait behind every other worker's, and a base taken from them would let the
+/// queue grow by as much. Until then the whole delay counts (the base is zero).
+const BASE_SAMPLES: u32 = 16;
+
+/// The lowest delay seen lately: what a step waits even with nothing queued in Redis.
+struct BaseDelay {
+    current: Duration,
+    previous: Duration,
+    since: Instant,
+    samples: u32,
+}
+
+impl BaseDelay {
+    fn new() -> Self {
+        BaseDelay {
+            current: Duration::MAX,
+            previous: Duration::MAX,
+            since: Instant::now(),
+            samples: 0,
+        }
+    }
+
+    /// Takes in one step's delay; returns the base now.
+    fn observe(&mut self, delay: Duration) -> Duration {
+        if self.since.elapsed() >= BASE_PERIOD {
+            self.previous = self.current;
+            self.current = delay;
+            self.since = Instant::now();
+        } else {
+            self.current = self.current.min(delay);
+        }
+        self.samples = self.samples.saturating_add(1);
+        if self.samples < BASE_SAMPLES {
+            return Duration::ZERO;
+        }
+        self.current.min(self.previous)
+    }
+}
 
 /// Which waiting step gets the next permit (the `step_order` setting).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -105,6 +153,8 @@ struct State {
     pause: Duration,
     /// Execution time per member walked, averaged over the steps (microseconds).
     us_per_member: Option<f64>,
+    /// The delay a step sees with nothing queued (network, scheduling).
+    base: BaseDelay,
     /// Steps waiting for a permit, smallest key first.
     waiting: BinaryHeap<Reverse<Waiter>>,
     asked: u64,
@@ -198,6 +248,7 @@ impl Limiter {
                 cuts: 0,
                 pause: Duration::ZERO,
                 us_per_member: None,
+                base: BaseDelay::new(),
                 waiting: BinaryHeap::new(),
                 asked: 0,
             }),
@@ -291,11 +342,10 @@ impl Limiter {
         let per_member = self.state.lock().expect("limiter lock").us_per_member;
         let floor = MIN_STEP.min(chunk_size);
         match per_member {
-            Some(us) if us > 0.0 => {
-                let fits = (self.target.as_micros() as f64 / 2.0 / us) as usize;
-                fits.clamp(floor, chunk_size)
+            // A float cast saturates: steps measured at 0 us per member fit usize::MAX.
+            Some(us) => {
+                ((self.target.as_micros() as f64 / 2.0 / us) as usize).clamp(floor, chunk_size)
             }
-            Some(_) => chunk_size,
             None => floor,
         }
     }
@@ -323,11 +373,13 @@ impl Limiter {
         }
     }
 
-    /// A permit is given back, with (sent at, queue delay) when its step completed.
+    /// A permit is given back, with (sent at, round trip minus execution) when its step
+    /// completed; what is above the base delay is the queue delay.
     fn release(self: &Arc<Self>, measured: Option<(Instant, Duration)>) {
         let mut state = self.state.lock().expect("limiter lock");
         state.in_flight -= 1;
         if let Some((sent, delay)) = measured {
+            let delay = delay.saturating_sub(state.base.observe(delay));
             if let Some(m) = &self.metrics {
                 m.queue_delay.observe(delay.as_secs_f64());
             }
@@ -439,6 +491,10 @@ mod tests {
                 .complete(Duration::from_micros(100), 1000);
         }
         assert_eq!(l.step_size(1000), 1000);
+        // A step measured at 0 us (under TIME's resolution): as fast as can be.
+        let z = limiter(8);
+        z.acquire(10).await.complete(Duration::ZERO, 500);
+        assert_eq!(z.step_size(1000), 1000);
     }
 
     #[tokio::test]
@@ -491,8 +547,35 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_constant_network_delay_is_not_queueing() {
+        // Every step takes 5 ms more than its execution (the network). The first steps
+        // count it all (no base yet) and pace; then the base takes it out: no more cuts,
+        // no pause, the full window.
+        let l = limiter(8);
+        for _ in 0..BASE_SAMPLES {
+            let p = l.acquire(10).await;
+            step_with_delay(&l, p, 5 * MS);
+        }
+        assert_eq!(l.window(), 1);
+        let cuts = l.cuts();
+        for _ in 0..200 {
+            let p = l.acquire(10).await;
+            step_with_delay(&l, p, 5 * MS);
+        }
+        assert_eq!((l.window(), l.cuts()), (8, cuts));
+        assert_eq!(l.pause(), Duration::ZERO);
+        // Waiting 2 ms above it is queueing: over the 1 ms target.
+        let p = l.acquire(10).await;
+        step_with_delay(&l, p, 7 * MS);
+        assert_eq!((l.window(), l.cuts()), (4, cuts + 1));
+    }
+
+    #[tokio::test]
     async fn at_the_floor_a_slow_step_paces_and_fast_steps_end_it_before_the_window_grows() {
         let l = limiter(8);
+        // A step with nothing queued sets the base delay.
+        let p = l.acquire(10).await;
+        step_with_delay(&l, p, Duration::ZERO);
         // The first cuts the window from 2 to 1; then pacing starts.
         for _ in 0..3 {
             let p = l.acquire(10).await;

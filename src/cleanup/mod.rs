@@ -87,8 +87,9 @@ pub async fn check_walkable(conn: &RedisConn) -> Result<()> {
 /// Checks at start-up that this Redis runs Lua scripts: every delete is a script (the
 /// atomic check-and-delete), so a service that disables or renames EVAL/EVALSHA (some
 /// managed services and proxies can) would dead-letter every event. The worker stops with
-/// this error instead, naming what is missing. Transient states are returned as they are
-/// (the caller waits them out).
+/// this error instead, naming what is missing; on a cluster, also that scripts may
+/// declare flags (Redis 7.0+). Transient states are returned as they are (the caller
+/// waits them out).
 pub async fn check_scripting(conn: &RedisConn) -> Result<()> {
     static PROBE: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new("return 1"));
     match PROBE
@@ -96,11 +97,32 @@ pub async fn check_scripting(conn: &RedisConn) -> Result<()> {
         .invoke_async::<i64>(&mut conn.clone())
         .await
     {
+        Ok(_) => {}
+        Err(e) if crate::error::redis_error_is_retryable(&e) => return Err(e.into()),
+        Err(e) => {
+            return Err(Error::Protocol(format!(
+                "this Redis refuses Lua scripts ({e}): the janitor needs EVAL and EVALSHA (and \
+                 SCRIPT LOAD) under their own names, since every delete is an atomic script"
+            )))
+        }
+    }
+    if !conn.is_cluster() {
+        return Ok(());
+    }
+    // The cluster walk's scripts declare flags (`#!lua flags=...`), which Redis before
+    // 7.0 refuses to load: every cleanup would fail and be dead-lettered.
+    static FLAGGED: LazyLock<redis::Script> =
+        LazyLock::new(|| redis::Script::new("#!lua flags=allow-oom\nreturn 1"));
+    match FLAGGED
+        .prepare_invoke()
+        .invoke_async::<i64>(&mut conn.clone())
+        .await
+    {
         Ok(_) => Ok(()),
         Err(e) if crate::error::redis_error_is_retryable(&e) => Err(e.into()),
         Err(e) => Err(Error::Protocol(format!(
-            "this Redis refuses Lua scripts ({e}): the janitor needs EVAL and EVALSHA (and \
-             SCRIPT LOAD) under their own names, since every delete is an atomic script"
+            "this Redis Cluster refuses scripts with flags ({e}): the cleanup on a cluster \
+             needs Redis 7.0 or later (or Valkey 7.2 or later)"
         ))),
     }
 }

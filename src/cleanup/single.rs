@@ -72,6 +72,10 @@ impl Cleaner {
                         if !oom.swap(true, Ordering::Relaxed) {
                             tracing::warn!(server_id = %server, "Redis is out of memory: walking on with SPOP, which needs none");
                         }
+                        // The round trip measured is the retry's alone.
+                        if let Some(permit) = permit.as_mut() {
+                            permit.sent();
+                        }
                         self.step_sized(conn, server, WalkMode::Pop, event_id, entry, size)
                             .await
                     }

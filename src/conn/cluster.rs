@@ -181,8 +181,11 @@ fn parse_slot_owners(reply: redis::Value) -> Result<SlotOwners> {
         else {
             return Err(bad());
         };
-        // The master's (endpoint, port): an empty endpoint means the answering node, and
-        // is the same name for each of its ranges.
+        // The master's node ID (Redis 4+ gives it third): endpoints do not tell masters
+        // apart where they are empty or `?` (cluster-preferred-endpoint-type
+        // unknown-endpoint) and every node has the same port (Kubernetes). Without an ID,
+        // its (endpoint, port): an empty endpoint means the answering node, and is the
+        // same name for each of its ranges.
         let endpoint = match master.first() {
             Some(Value::BulkString(host)) => host.clone(),
             _ => Vec::new(),
@@ -190,7 +193,10 @@ fn parse_slot_owners(reply: redis::Value) -> Result<SlotOwners> {
         let Some(Value::Int(port)) = master.get(1) else {
             return Err(bad());
         };
-        let id = (endpoint, *port);
+        let id = match master.get(2) {
+            Some(Value::BulkString(node_id)) => (node_id.clone(), 0),
+            _ => (endpoint, *port),
+        };
         let number = match masters.iter().position(|m| *m == id) {
             Some(n) => n,
             None => {
@@ -266,6 +272,23 @@ mod tests {
         ]);
         let owners = parse_slot_owners(reply).unwrap();
         assert_eq!(owners.masters(), 2);
+        // Endpoints that do not tell masters apart ('?', one port for all): their IDs do.
+        let node_id = |id: &str| {
+            Value::Array(vec![
+                Value::BulkString(b"?".to_vec()),
+                Value::Int(6379),
+                Value::BulkString(id.as_bytes().to_vec()),
+            ])
+        };
+        let same_endpoints = Value::Array(vec![
+            Value::Array(vec![Value::Int(0), Value::Int(8191), node_id("a1")]),
+            Value::Array(vec![Value::Int(8192), Value::Int(16383), node_id("b2")]),
+            Value::Array(vec![Value::Int(9000), Value::Int(9000), node_id("a1")]),
+        ]);
+        let by_id = parse_slot_owners(same_endpoints).unwrap();
+        assert_eq!(by_id.masters(), 2);
+        assert_eq!(by_id.master_of(0), by_id.master_of(9000));
+        assert_ne!(by_id.master_of(0), by_id.master_of(8192));
         assert_eq!(owners.master_of(0), Some(0));
         assert_eq!(owners.master_of(100), Some(1));
         assert_eq!(owners.master_of(16383), Some(1));
