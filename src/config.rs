@@ -157,6 +157,22 @@ pub struct Settings {
     pub maintenance_interval_ms: u64,
     /// Largest payload accepted.
     pub max_payload_bytes: usize,
+    /// Hold doubtful verdicts beyond the limits below instead of executing them.
+    pub guard: bool,
+    /// Servers whose last heartbeat is within this window make the recently live fleet
+    /// that a mass silence is measured against; also the window of `guard_disputed_limit`.
+    pub guard_window_ms: u64,
+    /// Share of the recently live fleet silent at once above which a verdict for a silent
+    /// server is one of a mass silence (a zone outage stays below it).
+    pub guard_silence_fraction: f64,
+    /// Fewest silent servers that make a mass silence, so that a small fleet losing one
+    /// or two servers is never held.
+    pub guard_silence_min: u64,
+    /// Disputed verdicts (their server still heartbeats) executed per window; beyond it
+    /// they are held.
+    pub guard_disputed_limit: u64,
+    /// A held verdict proceeds by itself once its server has been silent this long.
+    pub guard_hold_grace_ms: u64,
     /// Log format on stderr.
     pub log_format: LogFormat,
 }
@@ -204,6 +220,25 @@ impl Settings {
             .map_err(setting_error)?;
         settings.validate()?;
         Ok(settings)
+    }
+
+    /// The guard's window in force: `guard_window_ms`, but never shorter than a grace
+    /// period plus a reconcile interval plus a minute, so that the reconciler's verdicts
+    /// (published a grace period after a server fell silent, or an interval later) still
+    /// count their silent peers.
+    pub fn guard_window(&self) -> u64 {
+        let floor = self
+            .heartbeat_grace_ms
+            .saturating_add(self.reconcile_interval_ms)
+            .saturating_add(60_000);
+        self.guard_window_ms.max(floor)
+    }
+
+    /// The hold's grace in force: `guard_hold_grace_ms`, but never shorter than twice
+    /// `heartbeat_grace_ms` (a held verdict waits longer than an ordinary one).
+    pub fn guard_hold_grace(&self) -> u64 {
+        self.guard_hold_grace_ms
+            .max(self.heartbeat_grace_ms.saturating_mul(2))
     }
 
     /// The defaults alone, validated; handy for tests and the demo.
@@ -283,6 +318,24 @@ impl Settings {
         }
         if self.heartbeat_grace_ms == 0 {
             return bad("heartbeat_grace_ms", "must be at least 1");
+        }
+        if self.guard_window_ms < 1000 {
+            return bad("guard_window_ms", "must be at least 1000");
+        }
+        if !(self.guard_silence_fraction > 0.0 && self.guard_silence_fraction < 1.0) {
+            return bad(
+                "guard_silence_fraction",
+                format!(
+                    "must be above 0 and below 1 (a share of the fleet), got {}",
+                    self.guard_silence_fraction
+                ),
+            );
+        }
+        if self.guard_silence_min == 0 {
+            return bad("guard_silence_min", "must be at least 1");
+        }
+        if self.guard_hold_grace_ms < 1000 {
+            return bad("guard_hold_grace_ms", "must be at least 1000");
         }
         // At most a year: Redis refuses a PEXPIRE past its largest time, and record.lua
         // would fail after its HSETNX, leaving a fence with no lifetime.

@@ -77,7 +77,35 @@ pub struct Readiness {
 }
 
 impl Readiness {
-    pub async fn check(&self) -> Result<(), String> {
+    /// Ready or not, with the reason; when ready, what an operator should know (the
+    /// verdicts the guard holds, by server), empty otherwise. Holding verdicts is the
+    /// guard doing its work, not a fault: the process stays ready.
+    pub async fn check(&self) -> Result<String, String> {
+        self.check_ready().await?;
+        let holds = crate::guard::hold::list(&self.conn, &self.keys)
+            .await
+            .unwrap_or_default();
+        if holds.is_empty() {
+            return Ok(String::new());
+        }
+        let names: Vec<&str> = holds
+            .iter()
+            .take(20)
+            .map(|h| h.server_id.as_str())
+            .collect();
+        Ok(format!(
+            "{} verdict(s) held by the guard (not fenced, not cleaned): {}{}",
+            holds.len(),
+            names.join(", "),
+            if holds.len() > names.len() {
+                ", ..."
+            } else {
+                ""
+            }
+        ))
+    }
+
+    async fn check_ready(&self) -> Result<(), String> {
         if let Some((what, error)) = self.failing.any() {
             return Err(format!("{what} failing: {error}"));
         }

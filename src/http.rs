@@ -93,7 +93,8 @@ async fn respond(
             ),
         ),
         "/readyz" => match ready.check().await {
-            Ok(()) => text(StatusCode::OK, "ready\n".into()),
+            Ok(note) if note.is_empty() => text(StatusCode::OK, "ready\n".into()),
+            Ok(note) => text(StatusCode::OK, format!("ready; {note}\n")),
             Err(why) => text(
                 StatusCode::SERVICE_UNAVAILABLE,
                 format!("not ready: {why}\n"),

@@ -20,6 +20,8 @@
 //! | `server:{<server>}:fenced` | Hash   | the workers: the verdict, with a TTL    |
 //! | `server:{<server>}:refused`| Hash   | connection servers: refused writes      |
 //! | `janitor:fenced`           | ZSet   | the workers: index of fences, by time   |
+//! | `janitor:{guard}:held`     | Hash   | the workers: verdicts the guard holds   |
+//! | `janitor:{guard}:disputed` | ZSet   | the workers: disputed verdicts let through|
 //!
 //! The last five keys are the janitor's own. `cleanup` records how far the walk of a
 //! dead server's reverse set has gone, so that a cleanup taken over after a crash resumes
@@ -179,6 +181,19 @@ impl Keys {
         format!("{}janitor:sweep", self.prefix)
     }
 
+    /// Verdicts the guard holds (Hash: field = server id, value = the hold as JSON; see
+    /// [`crate::guard`]). Shares a hash tag with [`Keys::guard_disputed`] (one slot on a
+    /// cluster, so one script reads both).
+    pub fn guard_held(&self) -> String {
+        format!("{}janitor:{{guard}}:held", self.prefix)
+    }
+
+    /// Disputed verdicts the guard let through within its window (ZSet: member = stream
+    /// entry id, score = unix ms), the budget of `guard_disputed_limit`.
+    pub fn guard_disputed(&self) -> String {
+        format!("{}janitor:{{guard}}:disputed", self.prefix)
+    }
+
     /// The liveness-key name pattern of every server, for expiry notifications:
     /// returns the server id if `key` is a liveness key under this prefix.
     pub fn server_of_alive_key<'k>(&self, key: &'k str) -> Option<&'k str> {
@@ -236,6 +251,8 @@ mod tests {
         assert_eq!(k.servers(), "t:servers");
         assert_eq!(k.server_fence(&s), "t:server:{gw-7#1732181000123}:fenced");
         assert_eq!(k.fences(), "t:janitor:fenced");
+        assert_eq!(k.guard_held(), "t:janitor:{guard}:held");
+        assert_eq!(k.guard_disputed(), "t:janitor:{guard}:disputed");
         assert_eq!(k.events(), "t:registry:events");
         assert_eq!(k.dead_letters(), "t:registry:events:dead");
         assert_eq!(Keys::new("").registry(), "registry");

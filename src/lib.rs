@@ -66,6 +66,7 @@ pub mod event;
 pub mod evictions;
 pub mod fence;
 pub mod forward;
+pub mod guard;
 pub mod health;
 pub mod http;
 pub mod keys;

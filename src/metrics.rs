@@ -14,6 +14,22 @@ pub mod outcome {
     pub const ABANDONED: &str = "abandoned";
 }
 
+/// Decision label values of `registry_janitor_guard_verdicts_total`.
+pub mod guard_decision {
+    /// A disputed verdict within `guard_disputed_limit`: it went ahead.
+    pub const LET_THROUGH: &str = "let_through";
+    /// A doubtful verdict beyond the limits: held.
+    pub const HELD: &str = "held";
+    /// A held verdict of a mass silence whose server heartbeats again: acknowledged,
+    /// nothing done.
+    pub const DROPPED: &str = "dropped";
+    /// A held verdict let go (its server stayed silent past the hold's grace).
+    pub const RELEASED: &str = "released";
+    /// A further verdict for a server whose verdict is held: acknowledged.
+    pub const DUPLICATE: &str = "duplicate";
+    pub const ALL: [&str; 5] = [LET_THROUGH, HELD, DROPPED, RELEASED, DUPLICATE];
+}
+
 #[derive(Clone)]
 pub struct Metrics {
     pub registry: Registry,
@@ -68,6 +84,10 @@ pub struct Metrics {
     /// The step limiter's window, steps in flight, queue delays and cuts
     /// (see [`crate::cleanup::limiter`]).
     pub steps: crate::cleanup::limiter::LimiterMetrics,
+    /// Verdicts the guard holds now (sampled by the workers' upkeep).
+    pub guard_held: IntGauge,
+    /// The guard's decisions on doubtful verdicts, and the ends of holds, by decision.
+    pub guard_verdicts: IntCounterVec,
     /// Refusals already counted, per fence and operation.
     fence_refusals_seen:
         std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, [u64; 3]>>>,
@@ -267,6 +287,27 @@ impl Metrics {
         for op in crate::fence::OPERATIONS {
             fence_refused_writes.with_label_values(&[op]);
         }
+        let guard_held = gauge(
+            "registry_janitor_guard_held",
+            "Verdicts (server.dead) the guard holds now: doubtful, not fenced, not cleaned, not acknowledged (sampled)",
+        );
+        let guard_verdicts = IntCounterVec::new(
+            Opts::new(
+                "registry_janitor_guard_verdicts_total",
+                "The guard's decisions on doubtful verdicts and the ends of holds, by decision",
+            ),
+            &["decision"],
+        )
+        .expect("valid metric");
+        for d in guard_decision::ALL {
+            guard_verdicts.with_label_values(&[d]);
+        }
+        registry
+            .register(Box::new(guard_held.clone()))
+            .expect("unique metric names");
+        registry
+            .register(Box::new(guard_verdicts.clone()))
+            .expect("unique metric names");
         Metrics {
             registry,
             events,
@@ -293,6 +334,8 @@ impl Metrics {
             evictions_users,
             redis_up,
             steps,
+            guard_held,
+            guard_verdicts,
             fence_refusals_seen: Default::default(),
         }
     }

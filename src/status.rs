@@ -44,6 +44,9 @@ pub struct Status {
     pub writing_window_ms: u64,
     /// The evictions stream, unless switched off.
     pub evictions: Option<EvictionsStatus>,
+    /// Verdicts the guard holds (not fenced, not cleaned, not acknowledged), oldest
+    /// first; see `registry-janitor held`.
+    pub held: Vec<crate::guard::Hold>,
 }
 
 /// The evictions stream: its length and how far each consumer group is behind.
@@ -151,6 +154,7 @@ pub async fn collect_from(conn: &RedisConn, keys: &Keys) -> Result<Status> {
         fenced_still_writing: Vec::new(),
         writing_window_ms: 0,
         evictions: None,
+        held: crate::guard::hold::list(conn, keys).await?,
     };
     if stream_length == 0 && !exists(&mut c, &keys.events()).await? {
         return Ok(status);

@@ -115,10 +115,96 @@ impl Worker {
             Classified::Malformed(e) => self.dead_letter(&entry, &e.to_string(), &abandon).await,
             Classified::ServerDead(event, server) => {
                 let span = info_span!("server_dead", event_id = %event.event_id, server_id = %server, entry = %entry.id);
-                self.clean(&entry, &event, &server, &abandon)
+                self.guarded(&entry, &event, &server, &abandon)
                     .instrument(span)
                     .await
             }
+        }
+    }
+
+    /// Puts a verdict to the guard (see [`crate::guard`]), then cleans, holds, parks or
+    /// acknowledges it as the guard says.
+    async fn guarded(
+        &self,
+        entry: &Entry,
+        event: &ServerDead,
+        server: &ServerId,
+        abandon: &CancellationToken,
+    ) {
+        use crate::guard::Decision;
+        use crate::metrics::guard_decision;
+        let decided = self
+            .watch()
+            .retrying("putting a verdict to the guard", abandon, || {
+                self.guard.decide(&self.conn, &entry.id, event, server)
+            })
+            .await;
+        let verdicts = &self.metrics.guard_verdicts;
+        match decided {
+            Ok(Decision::Proceed {
+                released,
+                let_through,
+            }) => {
+                if let_through {
+                    verdicts
+                        .with_label_values(&[guard_decision::LET_THROUGH])
+                        .inc();
+                    warn!("guard: disputed verdict (its server still heartbeats) let through, within guard_disputed_limit");
+                }
+                self.clean(entry, event, server, abandon).await;
+                if released {
+                    // Once acknowledged, the hold is over; if the cleanup failed, the entry
+                    // is still pending and the hold (released) stays until it is done.
+                    if let Err(e) = self
+                        .guard
+                        .forget(&self.conn, server.as_str(), &entry.id)
+                        .await
+                    {
+                        debug!(error = %e, "forgetting a released hold failed; the guard's upkeep does it");
+                    }
+                }
+            }
+            Ok(Decision::Hold { hold, first }) => {
+                verdicts.with_label_values(&[guard_decision::HELD]).inc();
+                if first {
+                    warn!(doubt = hold.doubt.as_str(), detail = %hold.detail, "guard: a hold started; verdicts are held, not executed (see `registry-janitor held list`)");
+                }
+                warn!(doubt = hold.doubt.as_str(), detail = %hold.detail, source = hold.source.as_deref().unwrap_or(""), "guard: verdict held: not fenced, not cleaned, not acknowledged");
+                self.park(entry, abandon).await;
+            }
+            Ok(Decision::Park) => {
+                info!("guard: verdict already held; parked again");
+                self.park(entry, abandon).await;
+            }
+            Ok(Decision::Duplicate { held_entry }) => {
+                info!(%held_entry, "guard: a verdict for this server is held already; this one acknowledged as its duplicate");
+                if self.ack(&entry.id, abandon).await {
+                    verdicts
+                        .with_label_values(&[guard_decision::DUPLICATE])
+                        .inc();
+                }
+            }
+            Err(Error::Cancelled) => self.hand_off(&entry.id).await,
+            Err(e) => {
+                self.metrics
+                    .events
+                    .with_label_values(&[outcome::FAILED])
+                    .inc();
+                error!(error = %e, "the guard could not decide; the entry stays pending and is retried after claim_min_idle_ms");
+            }
+        }
+    }
+
+    /// Parks a held verdict's entry with the guard's consumer, retrying through outages.
+    async fn park(&self, entry: &Entry, abandon: &CancellationToken) {
+        let parked = self
+            .watch()
+            .retrying("parking a held verdict", abandon, || {
+                self.guard.park(&self.conn, &entry.id)
+            })
+            .await;
+        if let Err(e) = parked {
+            warn!(error = %e, "parking a held verdict failed; the hold stands, the guard's upkeep parks it");
         }
     }
 

@@ -52,6 +52,8 @@ pub struct Worker {
     keys: Keys,
     consumer: String,
     cleaner: Cleaner,
+    /// Decides on each verdict before any fence: doubtful ones beyond its limits are held.
+    guard: crate::guard::Guard,
     settings: Settings,
     /// Where the blocking reader connects (one node or a cluster).
     target: conn::Target,
@@ -87,6 +89,7 @@ impl Worker {
             )),
             health: Health::new(Duration::from_secs(60)),
             failing: Failing::new(),
+            guard: crate::guard::Guard::new(keys.clone(), settings),
             keys,
             consumer: settings.consumer_name(),
             conn: conn::shared_for(&target).await?,
@@ -176,6 +179,7 @@ impl Worker {
             stop_upkeep.clone(),
         ));
         let sampler = tokio::spawn(this.clone().sample_gauges(stop_upkeep.clone()));
+        let guard = tokio::spawn(this.clone().guard_upkeep(stop_upkeep.clone()));
         let result = this
             .clone()
             .read_loop(&permits, &mut tasks, &shutdown, &abandon)
@@ -183,6 +187,7 @@ impl Worker {
         stop_upkeep.cancel();
         let _ = upkeep.await;
         let _ = sampler.await;
+        let _ = guard.await;
         this.drain(tasks, abandon).await;
         info!(consumer = %this.consumer, "worker stopped");
         result
@@ -342,6 +347,31 @@ impl Worker {
         warn!("drain timeout reached; abandoning cleanups between steps (they stay pending)");
         abandon.cancel();
         all_done.await;
+    }
+
+    /// Every second: the guard's upkeep of held verdicts (see [`crate::guard`]), and the
+    /// held-verdicts gauge.
+    async fn guard_upkeep(self: Arc<Self>, stop: CancellationToken) {
+        use crate::metrics::guard_decision;
+        loop {
+            match self.guard.upkeep(&self.conn).await {
+                Ok(round) => {
+                    self.metrics.guard_held.set(round.held as i64);
+                    let verdicts = &self.metrics.guard_verdicts;
+                    verdicts
+                        .with_label_values(&[guard_decision::DROPPED])
+                        .inc_by(round.dropped);
+                    verdicts
+                        .with_label_values(&[guard_decision::RELEASED])
+                        .inc_by(round.released);
+                }
+                Err(e) => debug!(error = %e, "guard upkeep failed; next round in a second"),
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                _ = stop.cancelled() => return,
+            }
+        }
     }
 
     /// Samples the stream's lag, pending entries and dead letters into gauges.

@@ -85,6 +85,12 @@ pub enum Command {
         #[command(subcommand)]
         action: DeadLettersAction,
     },
+    /// Verdicts the guard holds: list them, release them (they proceed: fence and
+    /// clean), or discard them (to the dead-letter stream, nothing done).
+    Held {
+        #[command(subcommand)]
+        action: HeldAction,
+    },
     /// The whole story on one machine: seed, kill servers, clean, verify.
     Demo(DemoOptions),
     /// The throughput and latency benchmark, with references measured in the same run.
@@ -133,6 +139,33 @@ pub enum DeadLettersAction {
         /// Confirms the deletion; nothing is deleted without it.
         #[arg(long)]
         yes: bool,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum HeldAction {
+    /// The held verdicts, oldest first: server, why it is doubtful, since when.
+    List {
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Let held verdicts proceed: their servers are fenced and cleaned by the workers.
+    Release {
+        /// Server ids whose held verdict is released.
+        servers: Vec<String>,
+        /// Release every held verdict.
+        #[arg(long, conflicts_with = "servers")]
+        all: bool,
+    },
+    /// Drop held verdicts: nothing is fenced or cleaned; each goes to the dead-letter
+    /// stream with the reason (replayable with `dead-letters replay`).
+    Discard {
+        /// Server ids whose held verdict is discarded.
+        servers: Vec<String>,
+        /// Discard every held verdict.
+        #[arg(long, conflicts_with = "servers")]
+        all: bool,
     },
 }
 

@@ -20,7 +20,7 @@ use registry_janitor::{
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    cli::{BenchOptions, DeadLettersAction, DemoOptions, EmitEvent, ProbeOptions},
+    cli::{BenchOptions, DeadLettersAction, DemoOptions, EmitEvent, HeldAction, ProbeOptions},
     output,
 };
 
@@ -123,6 +123,67 @@ pub async fn dead_letters(settings: &Settings, action: DeadLettersAction) -> any
             output::replayed(&dead_letters::replay(&conn, &keys, &ids).await?);
         }
         DeadLettersAction::Purge { ids, all, yes } => purge(&conn, &keys, ids, all, yes).await?,
+    }
+    Ok(())
+}
+
+/// `held list|release|discard`: the guard's held verdicts.
+pub async fn held(settings: &Settings, action: HeldAction) -> anyhow::Result<()> {
+    use registry_janitor::guard::hold;
+    let conn = conn::shared_for(&conn::target_for(settings)?).await?;
+    let keys = Keys::for_settings(settings);
+    let holds = hold::list(&conn, &keys).await?;
+    let chosen = |servers: &[String], all: bool| -> anyhow::Result<Vec<_>> {
+        anyhow::ensure!(
+            all || !servers.is_empty(),
+            "name the servers whose held verdict to act on, or --all"
+        );
+        for s in servers {
+            anyhow::ensure!(
+                holds.iter().any(|h| &h.server_id == s),
+                "no verdict is held for server {s}"
+            );
+        }
+        Ok(holds
+            .iter()
+            .filter(|h| all || servers.contains(&h.server_id))
+            .cloned()
+            .collect())
+    };
+    match action {
+        HeldAction::List { json } => output::holds(&holds, json)?,
+        HeldAction::Release { servers, all } => {
+            for h in chosen(&servers, all)? {
+                if hold::release(&conn, &keys, &h, settings.claim_min_idle_ms).await? {
+                    println!("{}: released; a worker fences and cleans it", h.server_id);
+                } else {
+                    println!(
+                        "{}: its hold had ended meanwhile; nothing done",
+                        h.server_id
+                    );
+                }
+            }
+        }
+        HeldAction::Discard { servers, all } => {
+            for h in chosen(&servers, all)? {
+                let why = format!(
+                    "discarded from the guard's hold by an operator (it was held as {}: {})",
+                    h.doubt.as_str(),
+                    h.detail
+                );
+                if hold::discard(&conn, &keys, &h, &why).await? {
+                    println!(
+                        "{}: discarded; its event is in the dead-letter stream",
+                        h.server_id
+                    );
+                } else {
+                    println!(
+                        "{}: its hold had ended meanwhile; nothing done",
+                        h.server_id
+                    );
+                }
+            }
+        }
     }
     Ok(())
 }

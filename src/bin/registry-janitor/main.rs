@@ -59,6 +59,7 @@ async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
         Command::Emit { event } => commands::emit(&settings, event).await,
         Command::Status { json } => commands::status(&settings, json).await,
         Command::DeadLetters { action } => commands::dead_letters(&settings, action).await,
+        Command::Held { action } => commands::held(&settings, action).await,
         Command::Demo(options) => commands::demo(&settings, &options).await,
         Command::Bench(options) => commands::bench(&settings, &options).await,
         Command::BenchProbe(options) => commands::bench_probe(&settings, &options).await,

@@ -1,9 +1,14 @@
-//! What `status`, `dead-letters` and `emit` print: text for people, JSON for scripts.
+//! What `status`, `dead-letters`, `held` and `emit` print: text for people, JSON for scripts.
 //! Presentation only; the library collects the data.
 
 use std::fmt;
 
-use registry_janitor::{dead_letters::DeadLetter, keys::GROUP, status::Status};
+use registry_janitor::{
+    dead_letters::DeadLetter,
+    guard::{Hold, HoldState},
+    keys::GROUP,
+    status::Status,
+};
 
 /// `emit`: the new entry's id, alone on its line.
 pub fn emitted(id: &str) {
@@ -50,6 +55,43 @@ pub fn replayed(pairs: &[(String, String)]) {
 /// `dead-letters purge`.
 pub fn purged(n: u64) {
     println!("{n} dead letter(s) purged");
+}
+
+/// `held list`: one line per held verdict and a count, or pretty JSON.
+pub fn holds(holds: &[Hold], json: bool) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(holds)?);
+        return Ok(());
+    }
+    let now = registry_janitor::now_ms();
+    for hold in holds {
+        println!("{}", HoldLine(hold, now));
+    }
+    println!("{} held verdict(s)", holds.len());
+    Ok(())
+}
+
+/// One held verdict on one line.
+struct HoldLine<'a>(&'a Hold, u64);
+
+impl fmt::Display for HoldLine<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (h, now) = (self.0, self.1);
+        let state = match h.state {
+            HoldState::Held => "held",
+            HoldState::Released => "released",
+        };
+        write!(
+            f,
+            "{:<40} {state:<8} {:<12} for {} s  entry {}  source {}: {}",
+            h.server_id,
+            h.doubt.as_str(),
+            now.saturating_sub(h.since_ms) / 1000,
+            h.entry,
+            h.source.as_deref().unwrap_or("-"),
+            h.detail
+        )
+    }
 }
 
 /// The status as an on-call engineer reads it.
@@ -114,6 +156,18 @@ impl fmt::Display for StatusText<'_> {
                 fence.refused_unregister,
                 now.saturating_sub(last)
             )?;
+        }
+        write!(f, "held verdicts   {}", s.held.len())?;
+        if s.held.is_empty() {
+            writeln!(f)?;
+        } else {
+            writeln!(
+                f,
+                " (doubtful: not fenced, not cleaned; `registry-janitor held list`)"
+            )?;
+        }
+        for hold in s.held.iter().take(20) {
+            writeln!(f, "  {}", HoldLine(hold, now))?;
         }
         if let Some(ev) = &s.evictions {
             writeln!(f, "evictions       {} ({} entries)", ev.stream, ev.length)?;

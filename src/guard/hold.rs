@@ -1,0 +1,529 @@
+//! The verdict hold: the decision on each verdict ([`Guard::decide`]), the upkeep of
+//! held verdicts ([`Guard::upkeep`]), and the operator's release and discard.
+//!
+//! Where things are while a verdict is held:
+//! - the hold, as JSON, in `janitor:{guard}:held` (field = server id): one per server;
+//!   further verdicts for a held server are acknowledged as duplicates of it;
+//! - the stream entry, pending, parked with [`HELD_CONSUMER`] by `park.lua` (XCLAIM
+//!   JUSTID with IDLE 0 and RETRYCOUNT 0: no delivery counted, never idle long enough for
+//!   a takeover while any worker runs its upkeep). If every worker was gone longer than
+//!   `claim_min_idle_ms`, the next takeover finds the hold recorded and parks the entry
+//!   again ([`Decision::Park`]): a hold survives worker restarts.
+//!
+//! Ending a hold: *dropped* (XACK, then the hold forgotten), *released* (the hold's state
+//! becomes `released` and the entry is made claimable at once: the next claim round of
+//! any worker takes it and proceeds as with any verdict, then forgets the hold), or
+//! *discarded* by an operator (dead-lettered with the reason, then forgotten). Each step
+//! checks that the hold is still the one of its entry (`forget.lua`), and a hold whose
+//! entry is no longer pending is forgotten by the upkeep: no crash between two steps
+//! loses a verdict or leaves a hold behind for good.
+
+use std::{
+    sync::{LazyLock, Mutex},
+    time::{Duration, Instant},
+};
+
+use serde::{Deserialize, Serialize};
+use tracing::{info, warn};
+
+use crate::{
+    config::Settings,
+    conn::{self, RedisConn},
+    error::{Error, Result},
+    event::{ServerDead, ServerId},
+    keys::{Keys, GROUP},
+    stream,
+};
+
+/// The consumer that held verdicts' stream entries are parked with. No worker reads as
+/// it; consumer expiry never removes a consumer with pending entries.
+pub const HELD_CONSUMER: &str = "janitor-guard-held";
+
+/// How long a census of the fleet is reused: a zone outage brings many verdicts at once,
+/// and one census a second answers them all.
+const CENSUS_TTL: Duration = Duration::from_secs(1);
+
+/// Servers whose liveness keys are read per round trip in a census.
+const CENSUS_PAGE: usize = 1000;
+
+static HOLD: LazyLock<redis::Script> =
+    LazyLock::new(|| redis::Script::new(include_str!("hold.lua")));
+static FORGET: LazyLock<redis::Script> =
+    LazyLock::new(|| redis::Script::new(include_str!("forget.lua")));
+static PARK: LazyLock<redis::Script> =
+    LazyLock::new(|| redis::Script::new(include_str!("park.lua")));
+
+/// Why a verdict is doubtful.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Doubt {
+    /// Its server still heartbeats: monitoring and the server disagree.
+    Disputed,
+    /// Its server is silent along with more of the fleet than a zone outage explains.
+    MassSilence,
+}
+
+impl Doubt {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Doubt::Disputed => "disputed",
+            Doubt::MassSilence => "mass_silence",
+        }
+    }
+}
+
+/// Where a hold stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HoldState {
+    /// Waiting: not fenced, not cleaned, not acknowledged.
+    Held,
+    /// Let go (by the hold's grace or an operator): the next worker to take the entry
+    /// proceeds with it.
+    Released,
+}
+
+/// One held verdict, as recorded in `janitor:{guard}:held` and shown by `status` and
+/// `held list`. `state` is serialized first: `forget.lua` changes it in place.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hold {
+    pub state: HoldState,
+    pub server_id: String,
+    /// The stream entry of the held `server.dead`.
+    pub entry: String,
+    pub event_id: String,
+    pub doubt: Doubt,
+    /// What the guard saw, for a person: "liveness key present", "120 of 180 ...".
+    pub detail: String,
+    /// Unix ms when the hold started.
+    pub since_ms: u64,
+    /// The event's `source` and `reason`, as published.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// The guard's answer for one `server.dead` entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Go ahead: fence and clean. `released`: the verdict was held and let go; its hold
+    /// is forgotten once the entry is acknowledged. `let_through`: a disputed verdict
+    /// within `guard_disputed_limit`.
+    Proceed { released: bool, let_through: bool },
+    /// Hold this verdict (recorded); park its entry. `first`: no other verdict was held,
+    /// a hold starts.
+    Hold { hold: Hold, first: bool },
+    /// This entry's verdict is held already (taken over after every worker was gone):
+    /// park it again.
+    Park,
+    /// Another verdict for the same server is held (`held_entry`): this one adds nothing,
+    /// acknowledge it.
+    Duplicate { held_entry: String },
+}
+
+/// The servers that heartbeated within the guard's window, and how many of them are
+/// silent (no liveness key) now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+pub struct Census {
+    pub recent: u64,
+    pub silent: u64,
+}
+
+/// What one round of [`Guard::upkeep`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Upkeep {
+    /// Holds standing after the round.
+    pub held: u64,
+    /// Held verdicts of a mass silence dropped: their server heartbeats again.
+    pub dropped: u64,
+    /// Held verdicts let go: their server stayed silent past the hold's grace.
+    pub released: u64,
+}
+
+/// The guard of one process.
+pub struct Guard {
+    keys: Keys,
+    on: bool,
+    window_ms: u64,
+    silence_fraction: f64,
+    silence_min: u64,
+    disputed_limit: u64,
+    hold_grace_ms: u64,
+    claim_min_idle_ms: u64,
+    /// The last census and when it was taken (see [`CENSUS_TTL`]).
+    census: Mutex<Option<(Instant, Census)>>,
+}
+
+impl Guard {
+    pub fn new(keys: Keys, settings: &Settings) -> Self {
+        Guard {
+            keys,
+            on: settings.guard,
+            window_ms: settings.guard_window(),
+            silence_fraction: settings.guard_silence_fraction,
+            silence_min: settings.guard_silence_min,
+            disputed_limit: settings.guard_disputed_limit,
+            hold_grace_ms: settings.guard_hold_grace(),
+            claim_min_idle_ms: settings.claim_min_idle_ms,
+            census: Mutex::new(None),
+        }
+    }
+
+    /// Counts the servers that heartbeated within the window and, of those, the silent
+    /// ones (liveness key gone). Reused for [`CENSUS_TTL`].
+    pub async fn census(&self, conn: &RedisConn) -> Result<Census> {
+        if let Some((at, census)) = *self.census.lock().expect("census lock") {
+            if at.elapsed() < CENSUS_TTL {
+                return Ok(census);
+            }
+        }
+        let census = take_census(conn, &self.keys, self.window_ms).await?;
+        *self.census.lock().expect("census lock") = Some((Instant::now(), census));
+        Ok(census)
+    }
+
+    /// Whether `census` shows a mass silence.
+    pub fn is_mass_silence(&self, census: Census) -> bool {
+        census.silent >= self.silence_min
+            && census.silent as f64 > self.silence_fraction * census.recent as f64
+    }
+
+    /// The guard's answer for the verdict of stream entry `entry` against `server`.
+    pub async fn decide(
+        &self,
+        conn: &RedisConn,
+        entry: &str,
+        event: &ServerDead,
+        server: &ServerId,
+    ) -> Result<Decision> {
+        if !self.on {
+            return Ok(Decision::Proceed {
+                released: false,
+                let_through: false,
+            });
+        }
+        // Both keys are in the slot of {S}: one pipeline on a cluster too.
+        let (alive, fenced): (bool, bool) = redis::pipe()
+            .cmd("EXISTS")
+            .arg(self.keys.server_alive(server))
+            .cmd("EXISTS")
+            .arg(self.keys.server_fence(server))
+            .query_async(&mut conn.clone())
+            .await?;
+        // A fenced server's verdict was executed already: nothing left to protect.
+        let (doubt, detail) = if fenced {
+            (None, String::new())
+        } else if alive {
+            (
+                Some(Doubt::Disputed),
+                "its liveness key is present: it still heartbeats".to_owned(),
+            )
+        } else {
+            let census = self.census(conn).await?;
+            if self.is_mass_silence(census) {
+                (
+                    Some(Doubt::MassSilence),
+                    format!(
+                        "{} of the {} servers that heartbeated within {} s are silent",
+                        census.silent,
+                        census.recent,
+                        self.window_ms / 1000
+                    ),
+                )
+            } else {
+                (None, String::new())
+            }
+        };
+        let hold = Hold {
+            state: HoldState::Held,
+            server_id: server.as_str().to_owned(),
+            entry: entry.to_owned(),
+            event_id: event.event_id.clone(),
+            doubt: doubt.unwrap_or(Doubt::Disputed),
+            detail,
+            since_ms: crate::now_ms(),
+            source: event.source.clone(),
+            reason: event.reason.clone(),
+        };
+        let record = serde_json::to_string(&hold).map_err(|e| Error::Protocol(e.to_string()))?;
+        let (answer, detail): (String, String) = HOLD
+            .key(self.keys.guard_held())
+            .key(self.keys.guard_disputed())
+            .arg(server.as_str())
+            .arg(entry)
+            .arg(match doubt {
+                None => "none",
+                Some(Doubt::Disputed) => "disputed",
+                Some(Doubt::MassSilence) => "mass",
+            })
+            .arg(record)
+            .arg(crate::now_ms())
+            .arg(self.window_ms)
+            .arg(self.disputed_limit)
+            .invoke_async(&mut conn.clone())
+            .await?;
+        match answer.as_str() {
+            "proceed" => Ok(Decision::Proceed {
+                released: false,
+                let_through: doubt.is_some(),
+            }),
+            "hold" => Ok(Decision::Hold {
+                hold,
+                first: detail == "0",
+            }),
+            "recorded" => {
+                let standing = parse_hold(&detail)?;
+                Ok(if standing.entry != entry {
+                    if standing.state == HoldState::Released {
+                        Decision::Proceed {
+                            released: false,
+                            let_through: false,
+                        }
+                    } else {
+                        Decision::Duplicate {
+                            held_entry: standing.entry,
+                        }
+                    }
+                } else if standing.state == HoldState::Released {
+                    Decision::Proceed {
+                        released: true,
+                        let_through: false,
+                    }
+                } else {
+                    Decision::Park
+                })
+            }
+            other => Err(Error::Protocol(format!("hold.lua answered {other}"))),
+        }
+    }
+
+    /// Parks a held verdict's entry with [`HELD_CONSUMER`]; false if it is no longer
+    /// pending.
+    pub async fn park(&self, conn: &RedisConn, entry: &str) -> Result<bool> {
+        park(conn, &self.keys, entry, 0).await
+    }
+
+    /// Forgets the hold of `entry` against `server` (its verdict was acknowledged).
+    pub async fn forget(&self, conn: &RedisConn, server: &str, entry: &str) -> Result<()> {
+        forget(conn, &self.keys, server, entry).await.map(|_| ())
+    }
+
+    /// One round over the held verdicts: keeps each parked entry from takeover, drops
+    /// those of a mass silence whose server heartbeats again, lets go those whose server
+    /// stayed silent past the hold's grace, and forgets holds whose entry is gone.
+    pub async fn upkeep(&self, conn: &RedisConn) -> Result<Upkeep> {
+        let mut report = Upkeep::default();
+        let holds = list(conn, &self.keys).await?;
+        let now = crate::now_ms();
+        for hold in holds {
+            let Some((owner, idle)) = pending(conn, &self.keys, &hold.entry).await? else {
+                // Acknowledged (cleaned, or dropped by another worker) or trimmed.
+                forget(conn, &self.keys, &hold.server_id, &hold.entry).await?;
+                continue;
+            };
+            if hold.state == HoldState::Released {
+                // Not yet taken: make sure it looks idle enough for a takeover.
+                if owner == HELD_CONSUMER && idle < self.claim_min_idle_ms {
+                    park(conn, &self.keys, &hold.entry, self.claim_min_idle_ms).await?;
+                }
+                report.held += 1;
+                continue;
+            }
+            let Ok(server) = ServerId::parse(&hold.server_id) else {
+                continue;
+            };
+            let (alive, score) = liveness(conn, &self.keys, &server).await?;
+            if alive && hold.doubt == Doubt::MassSilence {
+                stream::ack(conn, &self.keys, &hold.entry).await?;
+                let left = forget(conn, &self.keys, &hold.server_id, &hold.entry).await?;
+                report.dropped += 1;
+                info!(
+                    server_id = %hold.server_id, entry = %hold.entry, event_id = %hold.event_id,
+                    "guard: held verdict dropped, its server heartbeats again"
+                );
+                if left == Some(0) {
+                    warn!("guard: the hold ended, no verdict is held");
+                }
+                continue;
+            }
+            let silent_since = score.map_or(hold.since_ms, |s| s as u64);
+            if !alive && now.saturating_sub(silent_since) >= self.hold_grace_ms {
+                release(conn, &self.keys, &hold, self.claim_min_idle_ms).await?;
+                report.released += 1;
+                info!(
+                    server_id = %hold.server_id, entry = %hold.entry, event_id = %hold.event_id,
+                    silent_ms = now.saturating_sub(silent_since),
+                    "guard: held verdict proceeds, its server stayed silent past guard_hold_grace_ms"
+                );
+                report.held += 1;
+                continue;
+            }
+            report.held += 1;
+            if owner != HELD_CONSUMER || idle >= self.claim_min_idle_ms / 3 {
+                park(conn, &self.keys, &hold.entry, 0).await?;
+            }
+        }
+        Ok(report)
+    }
+}
+
+/// The holds standing now, oldest first.
+pub async fn list(conn: &RedisConn, keys: &Keys) -> Result<Vec<Hold>> {
+    let raw: Vec<(String, String)> = redis::cmd("HGETALL")
+        .arg(keys.guard_held())
+        .query_async(&mut conn.clone())
+        .await?;
+    let mut holds = Vec::with_capacity(raw.len());
+    for (server, json) in raw {
+        match parse_hold(&json) {
+            Ok(hold) => holds.push(hold),
+            Err(e) => warn!(server_id = %server, error = %e, "guard: unreadable hold left alone"),
+        }
+    }
+    holds.sort_by_key(|h| (h.since_ms, h.server_id.clone()));
+    Ok(holds)
+}
+
+/// Lets a held verdict go: the next worker to take its entry proceeds. False if the hold
+/// is no longer the one of this entry.
+pub async fn release(
+    conn: &RedisConn,
+    keys: &Keys,
+    hold: &Hold,
+    claim_min_idle_ms: u64,
+) -> Result<bool> {
+    let (done, _): (i64, i64) = FORGET
+        .key(keys.guard_held())
+        .arg(&hold.server_id)
+        .arg(&hold.entry)
+        .arg("released")
+        .invoke_async(&mut conn.clone())
+        .await?;
+    if done == 1 {
+        park(conn, keys, &hold.entry, claim_min_idle_ms).await?;
+    }
+    Ok(done == 1)
+}
+
+/// Discards a held verdict on an operator's word: its entry goes to the dead-letter
+/// stream with `why` (replayable), and the hold is forgotten. False if the hold is no
+/// longer the one of this entry.
+pub async fn discard(conn: &RedisConn, keys: &Keys, hold: &Hold, why: &str) -> Result<bool> {
+    let current = list(conn, keys).await?;
+    if !current
+        .iter()
+        .any(|h| h.server_id == hold.server_id && h.entry == hold.entry)
+    {
+        return Ok(false);
+    }
+    let entries: redis::Value = redis::cmd("XRANGE")
+        .arg(keys.events())
+        .arg(&hold.entry)
+        .arg(&hold.entry)
+        .query_async(&mut conn.clone())
+        .await?;
+    let found = match entries {
+        redis::Value::Array(mut items) if !items.is_empty() => {
+            stream::parse_entry(items.swap_remove(0))?
+        }
+        _ => None,
+    };
+    match found {
+        Some(entry) => stream::dead_letter(conn, keys, &entry, why).await?,
+        None => {
+            stream::ack(conn, keys, &hold.entry).await?;
+        }
+    }
+    forget(conn, keys, &hold.server_id, &hold.entry).await?;
+    Ok(true)
+}
+
+/// Forgets the hold of `entry` against `server`; the holds left, or None if the hold
+/// was not (or no longer) the one of this entry.
+async fn forget(conn: &RedisConn, keys: &Keys, server: &str, entry: &str) -> Result<Option<i64>> {
+    let (done, left): (i64, i64) = FORGET
+        .key(keys.guard_held())
+        .arg(server)
+        .arg(entry)
+        .arg("")
+        .invoke_async(&mut conn.clone())
+        .await?;
+    Ok((done == 1).then_some(left))
+}
+
+async fn park(conn: &RedisConn, keys: &Keys, entry: &str, idle_ms: u64) -> Result<bool> {
+    let parked: i64 = PARK
+        .key(keys.events())
+        .arg(GROUP)
+        .arg(HELD_CONSUMER)
+        .arg(entry)
+        .arg(idle_ms)
+        .invoke_async(&mut conn.clone())
+        .await?;
+    Ok(parked == 1)
+}
+
+/// The consumer holding `entry` and its idle time (ms), or None if it is not pending.
+async fn pending(conn: &RedisConn, keys: &Keys, entry: &str) -> Result<Option<(String, u64)>> {
+    let rows: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+        .arg(keys.events())
+        .arg(GROUP)
+        .arg(entry)
+        .arg(entry)
+        .arg(1)
+        .query_async(&mut conn.clone())
+        .await?;
+    Ok(rows
+        .into_iter()
+        .next()
+        .map(|(_, owner, idle, _)| (owner, idle)))
+}
+
+/// Whether `server`'s liveness key exists, and its last heartbeat in `servers`.
+async fn liveness(conn: &RedisConn, keys: &Keys, server: &ServerId) -> Result<(bool, Option<f64>)> {
+    let mut c = conn.clone();
+    let alive: bool = redis::cmd("EXISTS")
+        .arg(keys.server_alive(server))
+        .query_async(&mut c)
+        .await?;
+    let score: Option<f64> = redis::cmd("ZSCORE")
+        .arg(keys.servers())
+        .arg(server.as_str())
+        .query_async(&mut c)
+        .await?;
+    Ok((alive, score))
+}
+
+fn parse_hold(json: &str) -> Result<Hold> {
+    serde_json::from_str(json)
+        .map_err(|e| Error::Protocol(format!("unreadable hold {json:?}: {e}")))
+}
+
+/// See [`Guard::census`].
+async fn take_census(conn: &RedisConn, keys: &Keys, window_ms: u64) -> Result<Census> {
+    let since = crate::now_ms().saturating_sub(window_ms);
+    let recent: Vec<String> = redis::cmd("ZRANGEBYSCORE")
+        .arg(keys.servers())
+        .arg(since)
+        .arg("+inf")
+        .query_async(&mut conn.clone())
+        .await?;
+    let servers: Vec<ServerId> = recent
+        .iter()
+        .filter_map(|s| ServerId::parse(s).ok())
+        .collect();
+    let mut census = Census {
+        recent: servers.len() as u64,
+        silent: 0,
+    };
+    for page in servers.chunks(CENSUS_PAGE) {
+        let exists = page
+            .iter()
+            .map(|s| redis::cmd("EXISTS").arg(keys.server_alive(s)).to_owned())
+            .collect();
+        let alive: Vec<bool> = conn::each_in_flight(conn, exists).await?;
+        census.silent += alive.iter().filter(|a| !**a).count() as u64;
+    }
+    Ok(census)
+}
