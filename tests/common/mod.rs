@@ -176,8 +176,15 @@ pub async fn seed(registry: &Registry, conn: &RedisConn, server: &ServerId, user
         .unwrap();
 }
 
-/// Publishes `server.dead` for `server`; returns the entry id.
+/// `server` dies: its liveness key is gone (as when its TTL runs out), and monitoring
+/// publishes `server.dead` for it; returns the entry id. (A verdict for a server whose
+/// liveness key still stands is disputed, which the guard limits: see tests/guard.rs.)
 pub async fn kill(conn: &RedisConn, keys: &Keys, server: &ServerId) -> String {
+    let _: () = redis::cmd("DEL")
+        .arg(keys.server_alive(server))
+        .query_async(&mut conn.clone())
+        .await
+        .unwrap();
     let event = ServerDead::new(server, Some("test".into()), Some("test".into()));
     stream::publish_event(conn, keys, &event.encode())
         .await
@@ -339,6 +346,14 @@ pub fn janitor(settings: &Settings) -> Command {
         .env(
             "JANITOR_DRAIN_TIMEOUT_MS",
             settings.drain_timeout_ms.to_string(),
+        )
+        .env(
+            "JANITOR_GUARD_DISPUTED_LIMIT",
+            settings.guard_disputed_limit.to_string(),
+        )
+        .env(
+            "JANITOR_GUARD_HOLD_GRACE_MS",
+            settings.guard_hold_grace_ms.to_string(),
         )
         .env("RUST_LOG", "info");
     cmd
