@@ -27,8 +27,9 @@ use registry_janitor::{
 use tokio::task::JoinHandle;
 
 const USERS: usize = 20;
-/// Liveness TTL of the fleet's heartbeats, and their period.
-const TTL_MS: u64 = 1_000;
+/// Liveness TTL of the fleet's heartbeats (four periods, well inside the grace period of
+/// `guard_settings`, as a deployment sets it), and their period.
+const TTL_MS: u64 = 600;
 const BEAT: Duration = Duration::from_millis(150);
 
 /// A fleet of connection servers heartbeating through the protocol, each of which can be
@@ -424,6 +425,8 @@ async fn held_verdicts_proceed_once_silent_past_the_hold_grace() {
     let f = Fixture::with(Layout::Hash, |s| {
         guard_settings(s);
         s.guard_hold_grace_ms = 4_000;
+        // Six servers: a mass silence only with a lower minimum than the default.
+        s.guard_silence_min = 3;
     });
     let fleet = Fleet::start(&f, "gone", 6).await;
     fleet.silence(0..6);

@@ -139,8 +139,6 @@ pub struct Reconciler {
     hint_permits: Arc<tokio::sync::Semaphore>,
     /// Servers being checked because of a hint: a second hint for one is dropped.
     hinted: Mutex<BTreeSet<ServerId>>,
-    /// The guard's view of the fleet: no drift is swept on silence during a mass silence.
-    guard: crate::guard::Guard,
 }
 
 impl Reconciler {
@@ -167,7 +165,6 @@ impl Reconciler {
             failing: Failing::new(),
             hint_permits: Arc::new(tokio::sync::Semaphore::new(HINT_CHECKS)),
             hinted: Mutex::default(),
-            guard: crate::guard::Guard::new(Keys::for_settings(settings), settings),
         })
     }
 

@@ -272,7 +272,7 @@ impl Reconciler {
         let alive: Vec<bool> = conn::each_in_flight(&self.conn, exists).await?;
         let scores: Vec<Option<f64>> = conn::each_in_flight(&self.conn, scores).await?;
         let fenced: Vec<bool> = conn::each_in_flight(&self.conn, fences).await?;
-        let cutoff = self.sweep_cutoff_ms().await?;
+        let cutoff = self.sweep_cutoff_ms();
         let mut removed = 0;
         let states = alive.into_iter().zip(scores).zip(fenced);
         for ((owner, users), ((has_key, score), fenced)) in by_owner.iter().zip(states) {
