@@ -14,6 +14,18 @@ pub mod outcome {
     pub const ABANDONED: &str = "abandoned";
 }
 
+/// Outcome label values of `registry_janitor_receiver_alerts_total`.
+pub mod alert_outcome {
+    /// A firing alert whose `server.dead` this request published.
+    pub const PUBLISHED: &str = "published";
+    /// A firing alert already published (a re-send, another replica): nothing new.
+    pub const DUPLICATE: &str = "duplicate";
+    /// A resolved alert: nothing is published.
+    pub const RESOLVED: &str = "resolved";
+    /// An alert refused (no server label, an invalid server id or start time...).
+    pub const REFUSED: &str = "refused";
+}
+
 #[derive(Clone)]
 pub struct Metrics {
     pub registry: Registry,
@@ -68,6 +80,12 @@ pub struct Metrics {
     /// The step limiter's window, steps in flight, queue delays and cuts
     /// (see [`crate::cleanup::limiter`]).
     pub steps: crate::cleanup::limiter::LimiterMetrics,
+    /// Alert receiver: requests answered, by HTTP status code.
+    pub receiver_requests: IntCounterVec,
+    /// Alert receiver: alerts of accepted webhooks, by outcome ([`alert_outcome`]).
+    pub receiver_alerts: IntCounterVec,
+    /// Alert receiver: requests refused for a missing or wrong bearer token.
+    pub receiver_unauthorized: IntCounter,
     /// Refusals already counted, per fence and operation.
     fence_refusals_seen:
         std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, [u64; 3]>>>,
@@ -255,6 +273,41 @@ impl Metrics {
         ] {
             registry.register(c).expect("unique metric names");
         }
+        let receiver_requests = IntCounterVec::new(
+            Opts::new(
+                "registry_janitor_receiver_requests_total",
+                "Alert receiver: webhook requests answered, by HTTP status code",
+            ),
+            &["code"],
+        )
+        .expect("valid metric");
+        let receiver_alerts = IntCounterVec::new(
+            Opts::new(
+                "registry_janitor_receiver_alerts_total",
+                "Alert receiver: alerts received, by outcome (published, duplicate, resolved, refused)",
+            ),
+            &["outcome"],
+        )
+        .expect("valid metric");
+        let receiver_unauthorized = counter(
+            "registry_janitor_receiver_unauthorized_total",
+            "Alert receiver: requests refused for a missing or wrong bearer token",
+        );
+        for c in [
+            Box::new(receiver_requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(receiver_alerts.clone()),
+            Box::new(receiver_unauthorized.clone()),
+        ] {
+            registry.register(c).expect("unique metric names");
+        }
+        for o in [
+            alert_outcome::PUBLISHED,
+            alert_outcome::DUPLICATE,
+            alert_outcome::RESOLVED,
+            alert_outcome::REFUSED,
+        ] {
+            receiver_alerts.with_label_values(&[o]);
+        }
         for o in [
             outcome::CLEANED,
             outcome::IGNORED,
@@ -293,6 +346,9 @@ impl Metrics {
             evictions_users,
             redis_up,
             steps,
+            receiver_requests,
+            receiver_alerts,
+            receiver_unauthorized,
             fence_refusals_seen: Default::default(),
         }
     }
