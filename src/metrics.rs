@@ -86,6 +86,8 @@ pub struct Metrics {
     pub receiver_alerts: IntCounterVec,
     /// Alert receiver: requests refused for a missing or wrong bearer token.
     pub receiver_unauthorized: IntCounter,
+    /// Alert receiver: requests being answered now.
+    pub receiver_in_flight: IntGauge,
     /// Refusals already counted, per fence and operation.
     fence_refusals_seen:
         std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, [u64; 3]>>>,
@@ -293,10 +295,15 @@ impl Metrics {
             "registry_janitor_receiver_unauthorized_total",
             "Alert receiver: requests refused for a missing or wrong bearer token",
         );
+        let receiver_in_flight = gauge(
+            "registry_janitor_receiver_requests_in_flight",
+            "Alert receiver: webhook requests being answered now",
+        );
         for c in [
             Box::new(receiver_requests.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(receiver_alerts.clone()),
             Box::new(receiver_unauthorized.clone()),
+            Box::new(receiver_in_flight.clone()),
         ] {
             registry.register(c).expect("unique metric names");
         }
@@ -349,6 +356,7 @@ impl Metrics {
             receiver_requests,
             receiver_alerts,
             receiver_unauthorized,
+            receiver_in_flight,
             fence_refusals_seen: Default::default(),
         }
     }

@@ -579,6 +579,47 @@ async fn redis_away_gets_503_and_the_alert_is_published_when_it_is_back() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_a_request_in_flight_finish_with_its_answer() {
+    let f = Fixture::new(Layout::Hash);
+    let dir = tempfile::tempdir().unwrap();
+    let token = token_file(dir.path(), TOKEN);
+    let receiver = Receiver::start(&f, &token, &[]);
+    let body = webhook(vec![alert(
+        "firing",
+        json!({"alertname": "ConnectionServerDown", "server_id": "gw-drain#1"}),
+        json!({}),
+        "0000000000000008",
+        T0,
+    )]);
+    // Redis holds every write, scripts included, for 4 s: the request waits in Redis.
+    let () = f
+        .query(redis::cmd("CLIENT").arg("PAUSE").arg(4000).arg("WRITE"))
+        .await;
+    let (status, answer) = std::thread::scope(|scope| {
+        let posting = scope.spawn(|| receiver.post(&body));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while receiver.metric("registry_janitor_receiver_requests_in_flight") < 1.0 {
+            assert!(!posting.is_finished(), "the request ended before SIGTERM");
+            assert!(Instant::now() < deadline, "the request never arrived");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        receiver.process.signal("TERM");
+        posting.join().unwrap()
+    });
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["published"], 1, "{answer}");
+    let log = receiver.process.log();
+    assert!(
+        log.contains("finishing the requests in flight"),
+        "SIGTERM did not find the request in flight:\n{log}"
+    );
+    receiver.stop();
+    let published = events(&f).await;
+    assert_eq!(published.len(), 1);
+    assert_eq!(published[0].server_id, "gw-drain#1");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serves_tls_with_the_configured_certificate() {
     let f = Fixture::new(Layout::Hash);
     let dir = tempfile::tempdir().unwrap();

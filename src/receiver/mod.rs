@@ -77,18 +77,15 @@ struct Inner {
     max_body: usize,
     metrics: Metrics,
     watch: Watch,
-    shutdown: CancellationToken,
+    /// Never cancelled: a request in flight at shutdown waits for Redis until its own
+    /// deadline ([`REDIS_DEADLINE`], shorter than the drain), so that it gets its real
+    /// answer.
+    no_cancel: CancellationToken,
 }
 
 impl Receiver {
     /// A receiver from validated settings; reads the token file (see [`read_token`]).
-    /// `shutdown` ends the retries of requests in flight (they are answered 503).
-    pub fn new(
-        settings: &Settings,
-        conn: RedisConn,
-        metrics: Metrics,
-        shutdown: CancellationToken,
-    ) -> Result<Self> {
+    pub fn new(settings: &Settings, conn: RedisConn, metrics: Metrics) -> Result<Self> {
         let keys = Keys::for_settings(settings);
         publish::check_slot(&conn, &keys)?;
         let watch = Watch {
@@ -106,7 +103,7 @@ impl Receiver {
                 max_body: settings.alert_receiver_max_body_bytes,
                 metrics,
                 watch,
-                shutdown,
+                no_cancel: CancellationToken::new(),
             }),
         })
     }
@@ -219,7 +216,10 @@ impl Receiver {
 
     /// Answers one request and counts it by status code.
     pub async fn answer(&self, req: Request<Incoming>) -> Response<Full<Bytes>> {
+        let in_flight = &self.inner.metrics.receiver_in_flight;
+        in_flight.inc();
         let response = self.respond(req).await;
+        in_flight.dec();
         self.inner
             .metrics
             .receiver_requests
@@ -347,7 +347,7 @@ impl Receiver {
                         deadline,
                         self.inner.watch.retrying(
                             "publishing alerts",
-                            &self.inner.shutdown,
+                            &self.inner.no_cancel,
                             publish,
                         ),
                     )
@@ -489,10 +489,10 @@ pub fn tls_acceptor(settings: &Settings) -> Result<Option<TlsAcceptor>> {
 /// 503 for a transient failure (Alertmanager sends again), 500 for one that needs an
 /// operator (a permission, a key of the wrong type); nothing was acknowledged either way.
 fn redis_failed(e: &Error) -> Response<Full<Bytes>> {
-    let status = match e {
-        Error::Cancelled => StatusCode::SERVICE_UNAVAILABLE,
-        e if e.is_retryable() => StatusCode::SERVICE_UNAVAILABLE,
-        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    let status = if e.is_retryable() {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else {
+        StatusCode::INTERNAL_SERVER_ERROR
     };
     warn!(error = %e, %status, "alert receiver: publishing failed");
     error(status, format!("publishing failed: {e}"))

@@ -83,7 +83,8 @@ pub async fn reconcile(
 }
 
 /// `alert-receiver`: serves Alertmanager's webhook until `shutdown`, then drains the
-/// requests in flight (at most `drain_timeout_ms`). The token and TLS files are read, and
+/// requests in flight (at most `drain_timeout_ms`; each waits for Redis at most
+/// [`receiver::REDIS_DEADLINE`]). The token and TLS files are read, and
 /// the listener bound, before anything else: a wrong setting stops start-up at once.
 pub async fn alert_receiver(
     settings: &Settings,
@@ -107,7 +108,7 @@ pub async fn alert_receiver(
         Err(registry_janitor::Error::Cancelled) => return Ok(()),
         other => other?,
     };
-    let receiver = Receiver::new(settings, conn.clone(), metrics.clone(), shutdown.clone())?;
+    let receiver = Receiver::new(settings, conn.clone(), metrics.clone())?;
     let _redis_up =
         registry_janitor::health::spawn_redis_watch(conn, metrics.redis_up.clone(), &shutdown);
     serve_metrics(
