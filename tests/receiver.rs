@@ -6,7 +6,10 @@
 //! - what is refused and how: a wrong token (401), a body over the limit (413), bad JSON,
 //!   another version, another content type (400), alerts without a usable server (422,
 //!   the rest of the batch published), Redis away (503, then published when it is back);
-//! - TLS with a generated certificate; start-up refusing a missing token file;
+//! - TLS with a generated certificate; start-up refusing a missing token file; SIGTERM
+//!   letting a request in flight finish with its answer;
+//! - on a local Redis Cluster: two receivers, each alert once, its record in the stream's
+//!   slot (skipped only when this redis-server cannot run a cluster);
 //! - a real Alertmanager delivering to it (with its re-sends and resolved notifications),
 //!   and the whole chain: a real Prometheus sees a connection server's exporter go away,
 //!   its rule fires, Alertmanager notifies the receiver, a worker cleans the registry.
@@ -29,7 +32,7 @@ use std::{
 
 use common::{monitoring::*, *};
 use registry_janitor::{
-    config::Layout,
+    config::{Layout, Settings},
     event::{classify, Classified, ServerDead},
 };
 use serde_json::{json, Value};
@@ -53,7 +56,7 @@ struct Receiver {
 impl Receiver {
     /// Starts one with the token in `token` and the extra `JANITOR_*` variables `env`;
     /// waits until it answers /readyz.
-    fn start(f: &Fixture, token: &Path, env: &[(&str, &str)]) -> Self {
+    fn start(settings: &Settings, token: &Path, env: &[(&str, &str)]) -> Self {
         let (addr, metrics) = (free_addr(), free_addr());
         let token = token.display().to_string();
         let mut all = vec![
@@ -62,7 +65,7 @@ impl Receiver {
             ("JANITOR_METRICS_ADDR", metrics.as_str()),
         ];
         all.extend_from_slice(env);
-        let mut process = WorkerProcess::start_command(&f.settings, &all, &["alert-receiver"]);
+        let mut process = WorkerProcess::start_command(settings, &all, &["alert-receiver"]);
         let deadline = Instant::now() + Duration::from_secs(60);
         while http_get(&metrics, "/readyz").0 != 200 {
             assert!(
@@ -184,7 +187,7 @@ async fn firing_alerts_publish_one_event_each_once_across_resends_and_restarts()
     let f = Fixture::new(Layout::Hash);
     let dir = tempfile::tempdir().unwrap();
     let token = token_file(dir.path(), TOKEN);
-    let receiver = Receiver::start(&f, &token, &[]);
+    let receiver = Receiver::start(&f.settings, &token, &[]);
     let long_summary = "é".repeat(200);
     let batch = webhook(vec![
         alert(
@@ -274,7 +277,7 @@ async fn firing_alerts_publish_one_event_each_once_across_resends_and_restarts()
 
     // A receiver stopped (SIGTERM) and started again still knows the alerts.
     receiver.stop();
-    let receiver = Receiver::start(&f, &token, &[]);
+    let receiver = Receiver::start(&f.settings, &token, &[]);
     let (status, answer) = receiver.post(&batch);
     assert_eq!(status, 200, "{answer}");
     assert_eq!(answer["duplicate"], 3, "{answer}");
@@ -300,8 +303,8 @@ async fn two_receivers_given_the_same_alerts_at_once_publish_each_once() {
     let dir = tempfile::tempdir().unwrap();
     let token = token_file(dir.path(), TOKEN);
     let receivers = [
-        Receiver::start(&f, &token, &[]),
-        Receiver::start(&f, &token, &[]),
+        Receiver::start(&f.settings, &token, &[]),
+        Receiver::start(&f.settings, &token, &[]),
     ];
     let servers: Vec<String> = (0..12).map(|n| format!("gw-{n}#1")).collect();
     let batch = webhook(
@@ -349,7 +352,7 @@ async fn what_cannot_be_used_is_refused_and_named_and_nothing_of_it_published() 
     let dir = tempfile::tempdir().unwrap();
     let token = token_file(dir.path(), TOKEN);
     let receiver = Receiver::start(
-        &f,
+        &f.settings,
         &token,
         &[("JANITOR_ALERT_RECEIVER_MAX_BODY_BYTES", "4096")],
     );
@@ -520,7 +523,11 @@ async fn start_up_needs_a_token_unless_auth_is_off() {
     assert!(stderr.contains("alert_receiver_auth"), "{stderr}");
 
     // With auth off, no token is asked for.
-    let receiver = Receiver::start(&f, &empty, &[("JANITOR_ALERT_RECEIVER_AUTH", "off")]);
+    let receiver = Receiver::start(
+        &f.settings,
+        &empty,
+        &[("JANITOR_ALERT_RECEIVER_AUTH", "off")],
+    );
     let body = webhook(vec![alert(
         "firing",
         json!({"server_id": "gw-open#1"}),
@@ -538,7 +545,7 @@ async fn redis_away_gets_503_and_the_alert_is_published_when_it_is_back() {
     let mut f = Fixture::new(Layout::Hash);
     let dir = tempfile::tempdir().unwrap();
     let token = token_file(dir.path(), TOKEN);
-    let receiver = Receiver::start(&f, &token, &[]);
+    let receiver = Receiver::start(&f.settings, &token, &[]);
     let body = webhook(vec![alert(
         "firing",
         json!({"alertname": "ConnectionServerDown", "server_id": "gw-r#1"}),
@@ -583,7 +590,7 @@ async fn sigterm_lets_a_request_in_flight_finish_with_its_answer() {
     let f = Fixture::new(Layout::Hash);
     let dir = tempfile::tempdir().unwrap();
     let token = token_file(dir.path(), TOKEN);
-    let receiver = Receiver::start(&f, &token, &[]);
+    let receiver = Receiver::start(&f.settings, &token, &[]);
     let body = webhook(vec![alert(
         "firing",
         json!({"alertname": "ConnectionServerDown", "server_id": "gw-drain#1"}),
@@ -629,7 +636,7 @@ async fn serves_tls_with_the_configured_certificate() {
     std::fs::write(&cert, generated.cert.pem()).unwrap();
     std::fs::write(&key, generated.signing_key.serialize_pem()).unwrap();
     let receiver = Receiver::start(
-        &f,
+        &f.settings,
         &token,
         &[
             (
@@ -720,7 +727,7 @@ async fn a_real_alertmanager_delivers_each_firing_alert_once() {
     let f = Fixture::new(Layout::Hash);
     let dir = tempfile::tempdir().unwrap();
     let token = token_file(dir.path(), TOKEN);
-    let receiver = Receiver::start(&f, &token, &[]);
+    let receiver = Receiver::start(&f.settings, &token, &[]);
     let mut am = alertmanager(&bin, &receiver.addr, &token, "2s");
 
     let starts = registry_janitor::now_ms() - 1_000;
@@ -876,7 +883,7 @@ async fn prometheus_to_alertmanager_to_receiver_to_worker_cleans_the_dead_server
 
     let dir = tempfile::tempdir().unwrap();
     let token = token_file(dir.path(), TOKEN);
-    let receiver = Receiver::start(&f, &token, &[]);
+    let receiver = Receiver::start(&f.settings, &token, &[]);
     let am = alertmanager(&am_bin, &receiver.addr, &token, "1h");
     let mut exporter = Exporter::start();
     let prom_dir = tempfile::tempdir().unwrap();
@@ -981,4 +988,104 @@ async fn prometheus_to_alertmanager_to_receiver_to_worker_cleans_the_dead_server
         Some("connection server gw-e2e#1 is down")
     );
     worker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_redis_cluster_each_alert_is_published_once_from_the_streams_slot() {
+    init_logs();
+    if !registry_janitor::testkit::RedisCluster::supported() {
+        eprintln!("SKIPPED: this redis-server cannot run a cluster (or redis-cli is missing)");
+        return;
+    }
+    let cluster =
+        tokio::task::spawn_blocking(|| registry_janitor::testkit::RedisCluster::start(3, 0))
+            .await
+            .unwrap()
+            .expect("start a local cluster");
+    let mut settings = settings(&cluster.nodes[0], Layout::Hash);
+    settings.redis_cluster = true;
+    let seeds = serde_json::to_string(&cluster.seeds()).unwrap();
+    let cluster_env = [
+        ("JANITOR_REDIS_CLUSTER", "true"),
+        ("JANITOR_REDIS_CLUSTER_SEEDS", seeds.as_str()),
+    ];
+    let conn = fresh_conn(&settings).await;
+    let keys = registry_janitor::keys::Keys::for_settings(&settings);
+    let dir = tempfile::tempdir().unwrap();
+    let token = token_file(dir.path(), TOKEN);
+
+    // A prefix whose brace would break the records' hash tag is refused at start-up.
+    let out = janitor(&settings)
+        .envs(cluster_env)
+        .env("JANITOR_KEY_PREFIX", "a{b:")
+        .env("JANITOR_ALERT_RECEIVER_ADDR", free_addr())
+        .env("JANITOR_ALERT_RECEIVER_TOKEN_FILE", &token)
+        .arg("alert-receiver")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("key_prefix"), "{stderr}");
+
+    let receivers = [
+        Receiver::start(&settings, &token, &cluster_env),
+        Receiver::start(&settings, &token, &cluster_env),
+    ];
+    let servers: Vec<String> = (0..8).map(|n| format!("gw-c{n}#1")).collect();
+    let batch = webhook(
+        servers
+            .iter()
+            .enumerate()
+            .map(|(n, s)| {
+                alert(
+                    "firing",
+                    json!({"alertname": "ConnectionServerDown", "server_id": s}),
+                    json!({}),
+                    &format!("c{n:015x}"),
+                    T0 + n as u64,
+                )
+            })
+            .collect(),
+    );
+    std::thread::scope(|scope| {
+        for r in &receivers {
+            let batch = &batch;
+            scope.spawn(move || {
+                for _ in 0..2 {
+                    let (status, answer) = r.post(batch);
+                    assert_eq!(status, 200, "{answer}\n{}", r.process.log());
+                }
+            });
+        }
+    });
+    let published = events_of(&conn, &keys).await;
+    let mut named: Vec<&str> = published.iter().map(|e| e.server_id.as_str()).collect();
+    named.sort_unstable();
+    assert_eq!(
+        named,
+        servers.iter().map(String::as_str).collect::<Vec<_>>()
+    );
+    // Each record is in the stream's slot and holds its event's entry id.
+    let entries = read_stream(&conn, &keys.events()).await;
+    let record = keys.alert_published(&format!("c{:015x}:{T0}", 0));
+    assert_eq!(
+        registry_janitor::conn::key_slot(record.as_bytes()),
+        registry_janitor::conn::key_slot(keys.events().as_bytes())
+    );
+    let id: String = redis::cmd("GET")
+        .arg(&record)
+        .query_async(&mut conn.clone())
+        .await
+        .unwrap();
+    let first = entries
+        .iter()
+        .find(|e| {
+            matches!(classify(e, 65536), Classified::ServerDead(ev, _) if ev.server_id == "gw-c0#1")
+        })
+        .unwrap();
+    assert_eq!(id, first.id);
+    let total = |outcome| receivers.iter().map(|r| r.alerts(outcome)).sum::<f64>();
+    assert_eq!(total("published"), 8.0);
+    assert_eq!(total("duplicate"), 24.0);
 }
