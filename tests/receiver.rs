@@ -942,7 +942,11 @@ async fn prometheus_to_alertmanager_to_receiver_to_worker_cleans_the_dead_server
     assert!(events(&f).await.is_empty());
     assert_eq!(f.still_pointing(&dead, 300).await, 299);
 
-    // The connection server dies: its exporter goes away.
+    // The connection server dies: its heartbeats stop (its liveness key is gone, as when
+    // its TTL runs out) and its exporter goes away.
+    let () = f
+        .query(redis::cmd("DEL").arg(f.keys.server_alive(&dead)))
+        .await;
     exporter.stop();
     let context = |prom: &Daemon, am: &Daemon, receiver: &Receiver| {
         format!(
