@@ -50,6 +50,16 @@ pub enum LogFormat {
     Json,
 }
 
+/// How the alert receiver authenticates Alertmanager (`alert_receiver_auth`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReceiverAuth {
+    /// A bearer token, read from `alert_receiver_token_file`, is required.
+    Token,
+    /// No authentication (a trusted network only).
+    Off,
+}
+
 /// A secret setting: never printed (its `Debug` shows `***`).
 #[derive(Clone, Deserialize, PartialEq, Eq)]
 #[serde(transparent)]
@@ -175,6 +185,25 @@ pub struct Settings {
     pub guard_hold_grace_ms: u64,
     /// Log format on stderr.
     pub log_format: LogFormat,
+    /// The alert receiver's listener (`alert-receiver`).
+    pub alert_receiver_addr: String,
+    /// The alert label that names the dead server.
+    pub alert_receiver_label: String,
+    /// How long the receiver remembers a published alert (fingerprint and start).
+    pub alert_receiver_dedup_ttl_ms: u64,
+    /// `token` (bearer token required) or `off`.
+    pub alert_receiver_auth: ReceiverAuth,
+    /// File holding the bearer token Alertmanager sends.
+    #[serde(default)]
+    pub alert_receiver_token_file: Option<PathBuf>,
+    /// Largest webhook body accepted.
+    pub alert_receiver_max_body_bytes: usize,
+    /// Certificate chain (PEM) of the receiver's TLS listener; goes with the key.
+    #[serde(default)]
+    pub alert_receiver_tls_cert_file: Option<PathBuf>,
+    /// Private key (PEM) of the receiver's TLS listener.
+    #[serde(default)]
+    pub alert_receiver_tls_key_file: Option<PathBuf>,
 }
 
 /// Settings given on the command line; `None` leaves the lower layers in force.
@@ -441,6 +470,65 @@ impl Settings {
                 "tls_cert_file and tls_key_file go together",
             );
         }
+        self.validate_receiver()
+    }
+
+    /// The alert receiver's settings that can be checked without reading files (the
+    /// token and TLS files are read when `alert-receiver` starts, which names them if
+    /// they are missing or empty).
+    fn validate_receiver(&self) -> Result<()> {
+        fn bad(name: &'static str, reason: impl Into<String>) -> Result<()> {
+            Err(Error::Setting {
+                name: name.into(),
+                reason: reason.into(),
+            })
+        }
+        if self.alert_receiver_addr.parse::<SocketAddr>().is_err() {
+            return bad(
+                "alert_receiver_addr",
+                format!("expected host:port, got {:?}", self.alert_receiver_addr),
+            );
+        }
+        let label = &self.alert_receiver_label;
+        let label_ok = label
+            .bytes()
+            .next()
+            .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_')
+            && label
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_');
+        if !label_ok {
+            return bad(
+                "alert_receiver_label",
+                format!("must be a Prometheus label name ([a-zA-Z_][a-zA-Z0-9_]*), got {label:?}"),
+            );
+        }
+        const YEAR_MS: u64 = 365 * 24 * 3600 * 1000;
+        if !(60_000..=YEAR_MS).contains(&self.alert_receiver_dedup_ttl_ms) {
+            return bad(
+                "alert_receiver_dedup_ttl_ms",
+                format!(
+                    "must be 60000 (a minute) to {YEAR_MS} (a year), got {}",
+                    self.alert_receiver_dedup_ttl_ms
+                ),
+            );
+        }
+        if !(1024..=64 * 1024 * 1024).contains(&self.alert_receiver_max_body_bytes) {
+            return bad(
+                "alert_receiver_max_body_bytes",
+                format!(
+                    "must be 1024 to 67108864 (64 MiB), got {}",
+                    self.alert_receiver_max_body_bytes
+                ),
+            );
+        }
+        if self.alert_receiver_tls_cert_file.is_some() != self.alert_receiver_tls_key_file.is_some()
+        {
+            return bad(
+                "alert_receiver_tls_cert_file",
+                "alert_receiver_tls_cert_file and alert_receiver_tls_key_file go together",
+            );
+        }
         Ok(())
     }
 
@@ -645,6 +733,11 @@ mod tests {
         assert_eq!(s.evictions_stream, crate::keys::DEFAULT_EVICTIONS_STREAM);
         assert!(s.consumer_name.is_none());
         assert_eq!(s.latency_target_ms, 1);
+        assert_eq!(s.alert_receiver_addr, "0.0.0.0:9465");
+        assert_eq!(s.alert_receiver_label, "server_id");
+        assert_eq!(s.alert_receiver_dedup_ttl_ms, 7 * 24 * 3600 * 1000);
+        assert_eq!(s.alert_receiver_auth, ReceiverAuth::Token);
+        assert_eq!(s.alert_receiver_max_body_bytes, 1024 * 1024);
         assert_eq!(
             s.step_order,
             crate::cleanup::limiter::StepOrder::SmallestFirst
@@ -693,6 +786,26 @@ mod tests {
         check(|s| s.fence_ttl_ms = s.heartbeat_grace_ms, "fence_ttl_ms");
         // Past what PEXPIRE takes, the fence would be left with no lifetime.
         check(|s| s.fence_ttl_ms = i64::MAX as u64, "fence_ttl_ms");
+        check(
+            |s| s.alert_receiver_addr = "nowhere".into(),
+            "alert_receiver_addr",
+        );
+        check(
+            |s| s.alert_receiver_label = "server-id".into(),
+            "alert_receiver_label",
+        );
+        check(
+            |s| s.alert_receiver_dedup_ttl_ms = 10,
+            "alert_receiver_dedup_ttl_ms",
+        );
+        check(
+            |s| s.alert_receiver_max_body_bytes = 10,
+            "alert_receiver_max_body_bytes",
+        );
+        check(
+            |s| s.alert_receiver_tls_key_file = Some("/k.pem".into()),
+            "alert_receiver_tls_cert_file",
+        );
     }
 
     #[test]

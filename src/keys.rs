@@ -22,8 +22,9 @@
 //! | `janitor:fenced`           | ZSet   | the workers: index of fences, by time   |
 //! | `janitor:{guard}:held`     | Hash   | the workers: verdicts the guard holds   |
 //! | `janitor:{guard}:disputed` | ZSet   | the workers: disputed verdicts let through|
+//! | `receiver:alert:{<events>}:<alert>` | String | the alert receiver: entry id, TTL |
 //!
-//! The last five keys are the janitor's own. `cleanup` records how far the walk of a
+//! The keys from `cleanup` on are the janitor's own, but for `refused` (written by the protocol). `cleanup` records how far the walk of a
 //! dead server's reverse set has gone, so that a cleanup taken over after a crash resumes
 //! there; `walking` is the reverse set itself, renamed away at the start of a walk so that
 //! members added meanwhile land in a new `users` set that is walked next (SSCAN does not
@@ -32,6 +33,9 @@
 //! registration can no longer be in flight (the cleanup walks them too); `reported` keeps several reconcilers from publishing the same death more than
 //! once per window; `janitor:sweep` lets a restarted reconciler resume its sweep. The
 //! per-server ones share the server's hash tag (same cluster slot as the reverse set).
+//! `receiver:alert:*` records that the alert receiver published an alert (the entry id,
+//! for `alert_receiver_dedup_ttl_ms`); its hash tag is the events stream's name, so that
+//! it lives in the stream's cluster slot and one script can check it and publish.
 
 use crate::event::ServerId;
 
@@ -217,6 +221,26 @@ impl Keys {
         format!("{}registry:events:dead", self.prefix)
     }
 
+    /// The alert receiver's record of one published alert (String: the entry id, with a
+    /// TTL). `alert` is the receiver's id of the alert (fingerprint and start). The hash
+    /// tag is the events stream's full name, so that the key hashes to the stream's
+    /// cluster slot: `{<prefix>registry:events}` when the prefix has no braces, and the
+    /// prefix's own tag when it has one (both keys then start with it). A prefix with an
+    /// unbalanced brace breaks this; [`Keys::alert_in_events_slot`] tells.
+    pub fn alert_published(&self, alert: &str) -> String {
+        format!(
+            "{}receiver:alert:{{{}}}:{alert}",
+            self.prefix,
+            self.events()
+        )
+    }
+
+    /// True when [`Keys::alert_published`] keys hash to the events stream's cluster slot.
+    pub fn alert_in_events_slot(&self) -> bool {
+        crate::conn::key_slot(self.alert_published("x").as_bytes())
+            == crate::conn::key_slot(self.events().as_bytes())
+    }
+
     fn server_key(&self, server: &ServerId, what: &str) -> String {
         format!("{}server:{{{}}}:{what}", self.prefix, server.as_str())
     }
@@ -260,5 +284,13 @@ mod tests {
         assert_eq!(k.server_of_alive_key("server:{gw-1}:alive"), None);
         assert_eq!(k.server_of_alive_key("t:server:{gw-1}:users"), None);
         assert_eq!(pattern_under("a*b[1]:"), "a\\*b\\[1\\]:*");
+        assert_eq!(
+            k.alert_published("ab12:5"),
+            "t:receiver:alert:{t:registry:events}:ab12:5"
+        );
+        assert!(k.alert_in_events_slot());
+        assert!(Keys::new("").alert_in_events_slot());
+        assert!(Keys::new("app{7}:").alert_in_events_slot());
+        assert!(!Keys::new("a{b").alert_in_events_slot());
     }
 }

@@ -47,6 +47,9 @@
 //!   by connection servers in Rust, the demo and the tests.
 //! - [`dead_letters`]: listing, replaying and purging dead letters; [`status`]: what
 //!   `status` reports.
+//! - [`receiver`]: the Alertmanager webhook receiver (`alert-receiver`): one
+//!   `server.dead` per firing alert, once per alert (`webhook.rs`: the payload and what
+//!   an alert becomes; `publish.rs`: the once-only publish script).
 //! - [`health`]: liveness and readiness, shared by the worker and the reconciler;
 //!   [`http`]: the /metrics, /healthz and /readyz listener.
 //! - [`conn`] (one node or a cluster; `conn/cluster.rs`: masters, node clients, epoch),
@@ -74,6 +77,7 @@ pub mod http;
 pub mod keys;
 pub mod maintenance;
 pub mod metrics;
+pub mod receiver;
 pub mod reconcile;
 pub mod registry;
 pub mod retry;

@@ -30,6 +30,18 @@ pub mod guard_decision {
     pub const ALL: [&str; 5] = [LET_THROUGH, HELD, DROPPED, RELEASED, DUPLICATE];
 }
 
+/// Outcome label values of `registry_janitor_receiver_alerts_total`.
+pub mod alert_outcome {
+    /// A firing alert whose `server.dead` this request published.
+    pub const PUBLISHED: &str = "published";
+    /// A firing alert already published (a re-send, another replica): nothing new.
+    pub const DUPLICATE: &str = "duplicate";
+    /// A resolved alert: nothing is published.
+    pub const RESOLVED: &str = "resolved";
+    /// An alert refused (no server label, an invalid server id or start time...).
+    pub const REFUSED: &str = "refused";
+}
+
 #[derive(Clone)]
 pub struct Metrics {
     pub registry: Registry,
@@ -88,6 +100,14 @@ pub struct Metrics {
     pub guard_held: IntGauge,
     /// The guard's decisions on doubtful verdicts, and the ends of holds, by decision.
     pub guard_verdicts: IntCounterVec,
+    /// Alert receiver: requests answered, by HTTP status code.
+    pub receiver_requests: IntCounterVec,
+    /// Alert receiver: alerts of accepted webhooks, by outcome ([`alert_outcome`]).
+    pub receiver_alerts: IntCounterVec,
+    /// Alert receiver: requests refused for a missing or wrong bearer token.
+    pub receiver_unauthorized: IntCounter,
+    /// Alert receiver: requests being answered now.
+    pub receiver_in_flight: IntGauge,
     /// Refusals already counted, per fence and operation.
     fence_refusals_seen:
         std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, [u64; 3]>>>,
@@ -275,6 +295,46 @@ impl Metrics {
         ] {
             registry.register(c).expect("unique metric names");
         }
+        let receiver_requests = IntCounterVec::new(
+            Opts::new(
+                "registry_janitor_receiver_requests_total",
+                "Alert receiver: webhook requests answered, by HTTP status code",
+            ),
+            &["code"],
+        )
+        .expect("valid metric");
+        let receiver_alerts = IntCounterVec::new(
+            Opts::new(
+                "registry_janitor_receiver_alerts_total",
+                "Alert receiver: alerts received, by outcome (published, duplicate, resolved, refused)",
+            ),
+            &["outcome"],
+        )
+        .expect("valid metric");
+        let receiver_unauthorized = counter(
+            "registry_janitor_receiver_unauthorized_total",
+            "Alert receiver: requests refused for a missing or wrong bearer token",
+        );
+        let receiver_in_flight = gauge(
+            "registry_janitor_receiver_requests_in_flight",
+            "Alert receiver: webhook requests being answered now",
+        );
+        for c in [
+            Box::new(receiver_requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(receiver_alerts.clone()),
+            Box::new(receiver_unauthorized.clone()),
+            Box::new(receiver_in_flight.clone()),
+        ] {
+            registry.register(c).expect("unique metric names");
+        }
+        for o in [
+            alert_outcome::PUBLISHED,
+            alert_outcome::DUPLICATE,
+            alert_outcome::RESOLVED,
+            alert_outcome::REFUSED,
+        ] {
+            receiver_alerts.with_label_values(&[o]);
+        }
         for o in [
             outcome::CLEANED,
             outcome::IGNORED,
@@ -336,6 +396,10 @@ impl Metrics {
             steps,
             guard_held,
             guard_verdicts,
+            receiver_requests,
+            receiver_alerts,
+            receiver_unauthorized,
+            receiver_in_flight,
             fence_refusals_seen: Default::default(),
         }
     }

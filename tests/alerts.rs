@@ -22,7 +22,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use common::*;
+use common::{monitoring::*, *};
 use registry_janitor::config::Layout;
 use serde_json::Value;
 
@@ -52,26 +52,7 @@ const RATE_INTERVAL: &str = "10m";
 /// The Prometheus binary, if it runs; otherwise None (the test is skipped), or a panic
 /// when `CI` is set.
 fn prometheus() -> Option<String> {
-    let bin = std::env::var("PROMETHEUS").unwrap_or_else(|_| "prometheus".to_owned());
-    let runs = Command::new(&bin)
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if runs {
-        return Some(bin);
-    }
-    let why = format!(
-        "{bin} is needed to test the alerts and the dashboard against a real Prometheus \
-         (Debian: apt-get install prometheus, or bash .ci/ensure-prometheus; or set \
-         PROMETHEUS to a prometheus 2.x binary)"
-    );
-    if std::env::var_os("CI").is_some_and(|v| !v.is_empty()) {
-        panic!("CI is set: {why}");
-    }
-    eprintln!("SKIPPED: {why}");
-    None
+    prometheus_binary("to test the alerts and the dashboard against a real Prometheus")
 }
 
 /// Milliseconds of a Prometheus duration (`90s`, `5m`, `1h30m`, `1d`...), None if `s` is
@@ -172,18 +153,6 @@ fn shortened_rules() -> (String, Vec<(String, Duration)>) {
         }
     }
     (serde_yaml::to_string(&rules).unwrap(), fors)
-}
-
-/// Percent-encodes a query-string value.
-fn encode(s: &str) -> String {
-    s.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
-                (b as char).to_string()
-            }
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
 }
 
 /// A real Prometheus on a free port, with its own data directory; killed on drop.

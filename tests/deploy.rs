@@ -509,3 +509,115 @@ fn the_image_runs_the_janitor_as_a_non_root_user() {
         .iter()
         .any(|(i, a)| i == "EXPOSE" && a.split_whitespace().any(|p| p == "9464")));
 }
+
+/// Every object of the alert receiver's Component (`k8s/components/alert-receiver/`).
+fn receiver_component() -> Vec<Value> {
+    let k = load_k8s("components/alert-receiver/kustomization.yaml").remove(0);
+    assert_eq!(k["kind"], "Component");
+    let files: Vec<String> = k["resources"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|r| text(r).to_string())
+        .collect();
+    assert!(
+        !files.iter().any(|f| f.contains("secret")),
+        "the token Secret must stay an example: {files:?}"
+    );
+    // The base's image tag does not reach a component: the component repeats it.
+    assert_eq!(k["images"], kustomization()["images"]);
+    files
+        .iter()
+        .flat_map(|f| load_k8s(&format!("components/alert-receiver/{f}")))
+        .collect()
+}
+
+#[test]
+fn the_alert_receiver_component_serves_the_webhook_with_its_token_from_a_secret() {
+    let objects = receiver_component();
+    let find = |kind: &str| {
+        objects
+            .iter()
+            .find(|o| o["kind"] == kind)
+            .unwrap_or_else(|| panic!("no {kind} in the component"))
+    };
+    let deployment = find("Deployment");
+    let c = container(deployment);
+    assert_eq!(c["args"][0], "alert-receiver");
+    assert!(selects(
+        &deployment["spec"]["selector"]["matchLabels"],
+        &deployment["spec"]["template"]["metadata"]["labels"]
+    ));
+    // Settings and the Redis URL as the other Deployments take them.
+    assert_eq!(c["envFrom"][0]["configMapRef"]["name"], "registry-janitor");
+    let env: BTreeMap<String, &Value> = c["env"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|e| (text(&e["name"]).to_string(), e))
+        .collect();
+    assert_eq!(
+        env["JANITOR_REDIS_URL"]["valueFrom"]["secretKeyRef"]["name"],
+        SECRET
+    );
+    // The token file is the Secret's `token`, mounted read-only.
+    let token_file = text(&env["JANITOR_ALERT_RECEIVER_TOKEN_FILE"]["value"]);
+    let mount = c["volumeMounts"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|m| token_file.starts_with(&format!("{}/", text(&m["mountPath"]))))
+        .expect("a volume mounted where the token file is");
+    assert_eq!(mount["readOnly"], Value::Bool(true));
+    let volume = deployment["spec"]["template"]["spec"]["volumes"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == mount["name"])
+        .unwrap();
+    let example = load_k8s("components/alert-receiver/secret.example.yaml").remove(0);
+    assert_eq!(volume["secret"]["secretName"], example["metadata"]["name"]);
+    assert_eq!(volume["secret"]["items"][0]["key"], "token");
+    assert!(token_file.ends_with(&format!("/{}", text(&volume["secret"]["items"][0]["path"]))));
+    assert!(!example["stringData"]["token"].is_null());
+    // The webhook port: declared, listened on, behind the Service, open in the policy.
+    let addr = text(&env["JANITOR_ALERT_RECEIVER_ADDR"]["value"]);
+    assert!(addr.ends_with(":9465"), "{addr}");
+    assert!(declares_port(c, &Value::from("alerts")));
+    let service = find("Service");
+    assert!(selects(
+        &service["spec"]["selector"],
+        &deployment["spec"]["template"]["metadata"]["labels"]
+    ));
+    assert_eq!(service["spec"]["ports"][0]["targetPort"], "alerts");
+    let policy = find("NetworkPolicy");
+    assert!(selects(
+        &policy["spec"]["podSelector"]["matchLabels"],
+        &deployment["spec"]["template"]["metadata"]["labels"]
+    ));
+    assert_eq!(
+        rule_ports(&policy["spec"]["ingress"]),
+        vec![("TCP".to_string(), 9465)]
+    );
+    // Probes, grace period and security as for the base's Deployments.
+    for (probe, path) in [("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")] {
+        assert_eq!(c[probe]["httpGet"]["path"], path);
+        assert!(declares_port(c, &c[probe]["httpGet"]["port"]));
+    }
+    let pod = &deployment["spec"]["template"]["spec"];
+    assert!(pod["terminationGracePeriodSeconds"].as_u64().unwrap() >= 25);
+    assert_eq!(pod["securityContext"]["runAsNonRoot"], Value::Bool(true));
+    assert_eq!(
+        c["securityContext"]["readOnlyRootFilesystem"],
+        Value::Bool(true)
+    );
+    assert_eq!(
+        c["securityContext"]["allowPrivilegeEscalation"],
+        Value::Bool(false)
+    );
+    // The metrics Service of the base selects the receiver's pods too.
+    assert!(selects(
+        &object("Service", "registry-janitor")["spec"]["selector"],
+        &deployment["spec"]["template"]["metadata"]["labels"]
+    ));
+}

@@ -3,6 +3,8 @@
 //! processes, and waits that fail with the server's log attached.
 #![allow(dead_code)]
 
+pub mod monitoring;
+
 use std::{
     future::Future,
     process::{Child, Command, Stdio},

@@ -69,6 +69,9 @@ pub enum Command {
         #[arg(long)]
         once: bool,
     },
+    /// Take Alertmanager's webhook on POST /alerts (alert_receiver_addr) and publish one
+    /// server.dead per firing alert, once per alert, until SIGTERM or SIGINT.
+    AlertReceiver,
     /// Publish one event, as monitoring does; prints the entry id.
     Emit {
         #[command(subcommand)]

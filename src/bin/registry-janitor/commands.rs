@@ -12,6 +12,7 @@ use registry_janitor::{
     http,
     keys::Keys,
     metrics::Metrics,
+    receiver::{self, Receiver},
     reconcile::Reconciler,
     retry::retrying,
     status, stream,
@@ -78,6 +79,48 @@ pub async fn reconcile(
         .await;
         reconciler.run(shutdown).await?;
     }
+    Ok(())
+}
+
+/// `alert-receiver`: serves Alertmanager's webhook until `shutdown`, then drains the
+/// requests in flight (at most `drain_timeout_ms`; each waits for Redis at most
+/// [`receiver::REDIS_DEADLINE`]). The token and TLS files are read, and
+/// the listener bound, before anything else: a wrong setting stops start-up at once.
+pub async fn alert_receiver(
+    settings: &Settings,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    receiver::read_token(settings)?;
+    let tls = receiver::tls_acceptor(settings)?;
+    let addr: std::net::SocketAddr = settings
+        .alert_receiver_addr
+        .parse()
+        .context("alert_receiver_addr")?;
+    let listener = http::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on alert_receiver_addr {addr}"))?;
+    let metrics = Metrics::new();
+    let conn = match retrying("connecting to redis", &shutdown, || async {
+        conn::shared_for(&conn::target_for(settings)?).await
+    })
+    .await
+    {
+        Err(registry_janitor::Error::Cancelled) => return Ok(()),
+        other => other?,
+    };
+    let receiver = Receiver::new(settings, conn.clone(), metrics.clone())?;
+    let _redis_up =
+        registry_janitor::health::spawn_redis_watch(conn, metrics.redis_up.clone(), &shutdown);
+    serve_metrics(
+        settings,
+        metrics,
+        receiver.health(),
+        receiver.readiness(),
+        &shutdown,
+    )
+    .await;
+    let drain = std::time::Duration::from_millis(settings.drain_timeout_ms);
+    receiver.serve(listener, tls, shutdown, drain).await;
     Ok(())
 }
 

@@ -56,6 +56,7 @@ async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
         Command::Reconcile { once } => {
             commands::reconcile(&settings, once, shutdown_on_signals()).await
         }
+        Command::AlertReceiver => commands::alert_receiver(&settings, shutdown_on_signals()).await,
         Command::Emit { event } => commands::emit(&settings, event).await,
         Command::Status { json } => commands::status(&settings, json).await,
         Command::DeadLetters { action } => commands::dead_letters(&settings, action).await,
