@@ -336,15 +336,12 @@ impl Guard {
             let (alive, score) = liveness(conn, &self.keys, &server).await?;
             if alive && hold.doubt == Doubt::MassSilence {
                 stream::ack(conn, &self.keys, &hold.entry).await?;
-                let left = forget(conn, &self.keys, &hold.server_id, &hold.entry).await?;
                 report.dropped += 1;
                 info!(
                     server_id = %hold.server_id, entry = %hold.entry, event_id = %hold.event_id,
                     "guard: held verdict dropped, its server heartbeats again"
                 );
-                if left == Some(0) {
-                    warn!("guard: the hold ended, no verdict is held");
-                }
+                forget(conn, &self.keys, &hold.server_id, &hold.entry).await?;
                 continue;
             }
             let silent_since = score.map_or(hold.since_ms, |s| s as u64);
@@ -449,6 +446,9 @@ async fn forget(conn: &RedisConn, keys: &Keys, server: &str, entry: &str) -> Res
         .arg("")
         .invoke_async(&mut conn.clone())
         .await?;
+    if done == 1 && left == 0 {
+        warn!("guard: the hold ended, no verdict is held");
+    }
     Ok((done == 1).then_some(left))
 }
 
