@@ -40,6 +40,8 @@
 //! - [`reconcile`]: the reconciler: the heartbeat pass (`pass.rs`), expiry hints
 //!   (`hints.rs`), the drift sweep on one node (`sweep.rs`) and on a cluster
 //!   (`sweep_cluster.rs`).
+//! - [`guard`]: keeps outages elsewhere from fencing a live fleet: verdicts on silent
+//!   servers wait until Redis has been reachable for a full grace (`reachable.rs`).
 //! - [`maintenance`]: stream retention and removal of gone consumers.
 //! - [`registry`]: the connection-server side (register, unregister, heartbeat), used
 //!   by connection servers in Rust, the demo and the tests.
@@ -66,6 +68,7 @@ pub mod event;
 pub mod evictions;
 pub mod fence;
 pub mod forward;
+pub mod guard;
 pub mod health;
 pub mod http;
 pub mod keys;
