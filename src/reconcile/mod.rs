@@ -112,6 +112,8 @@ pub struct OnceReport {
     /// How long the run waited for Redis to be reachable for a full grace after an
     /// outage, before its last pass.
     pub waited_for_reachable_ms: u64,
+    /// Servers whose verdict the first pass held (checked again by the last pass).
+    pub waited_servers: u64,
 }
 
 impl std::fmt::Display for OnceReport {
@@ -121,7 +123,7 @@ impl std::fmt::Display for OnceReport {
             f,
             "dead servers: {} published, {} already reported, {} alive, {} heartbeat within grace, \
              {} fenced and clean, {} waiting for Redis to be reachable for a full grace \
-             ({} candidates, {} invalid ids; waited {} ms for reachable time); drift: {} of {} forward entries removed, \
+             ({} candidates, {} invalid ids; {} waited {} ms for reachable time); drift: {} of {} forward entries removed, \
              {} of {} reverse-index members of {} live servers removed",
             p.published,
             p.already_reported,
@@ -131,6 +133,7 @@ impl std::fmt::Display for OnceReport {
             p.waiting,
             p.candidates,
             p.invalid,
+            self.waited_servers,
             self.waited_for_reachable_ms,
             s.entries_removed,
             s.entries_scanned,
@@ -244,7 +247,7 @@ impl Reconciler {
         let mut pass = watch
             .retrying("reconcile pass", stop, || self.pass())
             .await?;
-        let mut waited_for_reachable_ms = 0;
+        let (mut waited_for_reachable_ms, waited_servers) = (0, pass.waiting);
         if pass.waiting > 0 {
             let hold = watch
                 .retrying("reconcile pass", stop, || self.hold())
@@ -271,6 +274,7 @@ impl Reconciler {
             pass,
             sweep,
             waited_for_reachable_ms,
+            waited_servers,
         })
     }
 
