@@ -44,6 +44,20 @@ pub struct Status {
     pub writing_window_ms: u64,
     /// The evictions stream, unless switched off.
     pub evictions: Option<EvictionsStatus>,
+    /// The reconciler's outage guard, from `janitor:guard`; `None` until a reconciler
+    /// has run (or where it may not be read).
+    pub reachable: Option<ReachableStatus>,
+}
+
+/// The reconciler's outage guard (see [`crate::guard::reachable`]).
+#[derive(Debug, Clone, Serialize)]
+pub struct ReachableStatus {
+    /// When the current stretch of reachable time began (Redis time, unix ms): the last
+    /// Redis outage a reconciler saw; 0 for none.
+    pub reachable_since_ms: u64,
+    /// How much longer verdicts on silent servers wait, by this machine's clock (0: they
+    /// are taken).
+    pub verdicts_wait_ms: u64,
 }
 
 /// The evictions stream: its length and how far each consumer group is behind.
@@ -91,6 +105,12 @@ pub async fn collect(settings: &Settings) -> Result<Status> {
         .fenced_still_writing
         .sort_by_key(|f| std::cmp::Reverse(f.last_refused_ms));
     status.writing_window_ms = settings.heartbeat_grace_ms;
+    status.reachable = crate::guard::reachable::recorded_since(&conn, &keys.guard())
+        .await
+        .map(|since| ReachableStatus {
+            reachable_since_ms: since,
+            verdicts_wait_ms: (since + settings.heartbeat_grace_ms).saturating_sub(crate::now_ms()),
+        });
     if let Some(stream) = keys.evictions() {
         status.evictions = Some(evictions_status(&conn, stream).await?);
     }
@@ -151,6 +171,7 @@ pub async fn collect_from(conn: &RedisConn, keys: &Keys) -> Result<Status> {
         fenced_still_writing: Vec::new(),
         writing_window_ms: 0,
         evictions: None,
+        reachable: None,
     };
     if stream_length == 0 && !exists(&mut c, &keys.events()).await? {
         return Ok(status);

@@ -722,6 +722,18 @@ impl Reachable {
     }
 }
 
+/// What `janitor:guard` says now, for `status`: the start of the current stretch of
+/// reachable time (Redis time, unix ms; 0 for no outage known), or `None` when no
+/// reconciler has written it (or it may not be read).
+pub async fn recorded_since(conn: &RedisConn, key: &str) -> Option<u64> {
+    let record: HashMap<String, String> = redis::cmd("HGETALL")
+        .arg(key)
+        .query_async(&mut conn.clone())
+        .await
+        .ok()?;
+    record.get("reachable_since_ms")?.parse().ok()
+}
+
 /// Redis's TIME in unix ms.
 async fn time_ms(conn: &RedisConn) -> Result<u64> {
     let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(&mut conn.clone()).await?;
