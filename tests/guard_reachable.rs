@@ -36,12 +36,13 @@ const USERS: usize = 50;
 /// Heartbeat interval and liveness TTL of the connection servers: a few heartbeats.
 const BEAT: Duration = Duration::from_millis(200);
 const TTL_MS: u64 = 700;
-/// After a failed heartbeat a connection server waits before it tries again, 600 to
-/// 1,400 ms by server (well under the grace): so after an outage the fleet comes back
-/// over a second, as a real one does, and a reconciler that looks at once finds servers
-/// that have not heartbeated yet.
-fn backoff(n: usize) -> Duration {
-    Duration::from_millis(600 + (n as u64 * 397) % 800)
+/// After a failed heartbeat a connection server waits before it tries again: from a
+/// quarter to a little under three fifths of the grace, by server. So after an outage the
+/// fleet comes back over a while, as a real one does, and a reconciler that looks at
+/// once finds servers that have not heartbeated yet; each is back well within a grace.
+fn backoff(n: usize, grace_ms: u64) -> Duration {
+    let spread = grace_ms / 3;
+    Duration::from_millis(grace_ms / 4 + (n as u64 * 397) % spread)
 }
 
 /// Connection servers heartbeating through the protocol until stopped (or fenced).
@@ -53,7 +54,8 @@ struct Fleet {
 }
 
 impl Fleet {
-    fn start(registry: &Registry, conn: &RedisConn, servers: &[ServerId]) -> Self {
+    /// `grace_ms` sets the backoff after a failed heartbeat ([`backoff`]).
+    fn start(registry: &Registry, conn: &RedisConn, servers: &[ServerId], grace_ms: u64) -> Self {
         let stop = CancellationToken::new();
         let fenced = Arc::new(AtomicUsize::new(0));
         let tasks = servers
@@ -82,7 +84,7 @@ impl Fleet {
                                 fenced.fetch_add(1, Ordering::SeqCst);
                                 return;
                             }
-                            Err(_) => backoff(n),
+                            Err(_) => backoff(n, grace_ms),
                         };
                         tokio::select! {
                             _ = tokio::time::sleep(wait) => {}
@@ -286,7 +288,7 @@ async fn a_redis_pause_longer_than_the_grace_fences_no_live_server() {
         f.seed(s, USERS).await;
     }
     let beats = connect(&f.settings);
-    let mut fleet = Fleet::start(&f.registry, &beats, &servers);
+    let mut fleet = Fleet::start(&f.registry, &beats, &servers, GRACE_MS);
     fleet_alive(&f.conn, &f.keys).await;
     let reconciler = RunningReconciler::start(&f.settings);
     let worker = spawn_worker(&f.settings);
@@ -348,7 +350,7 @@ async fn a_restart_from_disk_fences_no_live_server() {
         f.seed(s, USERS).await;
     }
     let beats = connect(&f.settings);
-    let mut fleet = Fleet::start(&f.registry, &beats, &servers);
+    let mut fleet = Fleet::start(&f.registry, &beats, &servers, GRACE_MS);
     fleet_alive(&f.conn, &f.keys).await;
     let reconciler = WorkerProcess::start_command(
         &f.settings,
@@ -403,10 +405,12 @@ async fn a_restart_from_disk_fences_no_live_server() {
         assert!(log.contains("Redis outage"), "{log}");
         assert!(log.contains("verdicts on silent servers resume"), "{log}");
     }
+    // The replica saw the old run_id in the record, or the record the first reconciler
+    // had updated by then.
+    let log = replica.log();
     assert!(
-        replica.log().contains("another run_id"),
-        "{}",
-        replica.log()
+        log.contains("another run_id") || log.contains("another reconciler recorded"),
+        "{log}"
     );
     assert_eq!(fleet.stop().await, 0, "a live server was told it is fenced");
 }
@@ -467,7 +471,7 @@ async fn reconcile_once_after_a_restart_waits_for_reachable_time() {
         f.seed(s, USERS).await;
     }
     let beats = connect(&f.settings);
-    let mut fleet = Fleet::start(&f.registry, &beats, &servers);
+    let mut fleet = Fleet::start(&f.registry, &beats, &servers, GRACE_MS);
     fleet_alive(&f.conn, &f.keys).await;
     fleet.crash(&crashed).await;
     let _: () = f.query(&redis::cmd("SAVE")).await;
@@ -538,7 +542,7 @@ async fn a_sentinel_failover_longer_than_the_grace_fences_no_live_server() {
     let beats = conn::shared_for(&conn::target_for(&settings).unwrap())
         .await
         .unwrap();
-    let mut fleet = Fleet::start(&registry, &beats, &servers);
+    let mut fleet = Fleet::start(&registry, &beats, &servers, grace);
     fleet_alive(&conn, &keys).await;
     let reconciler = RunningReconciler::start(&settings);
     let worker = spawn_worker(&settings);
@@ -612,7 +616,7 @@ async fn without_an_outage_a_silent_server_is_found_within_a_grace() {
         f.seed(s, USERS).await;
     }
     let beats = connect(&f.settings);
-    let mut fleet = Fleet::start(&f.registry, &beats, &servers);
+    let mut fleet = Fleet::start(&f.registry, &beats, &servers, GRACE_MS);
     fleet_alive(&f.conn, &f.keys).await;
     let reconciler = RunningReconciler::start(&f.settings);
     let worker = spawn_worker(&f.settings);
