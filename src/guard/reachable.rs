@@ -62,6 +62,10 @@ use crate::{
     metrics::Metrics,
 };
 
+/// What a process's first observation may take on top of [`Reachable::step`]: it opens
+/// the connection (the connect timeout is 2 s).
+const CONNECTING_MS: u64 = 2000;
+
 /// Labels of `registry_janitor_reconcile_outages_total`.
 pub const CAUSES: [&str; 3] = ["failed_calls", "restart", "clock_jump"];
 
@@ -227,9 +231,14 @@ impl Tracker {
     /// An observation sent when [`Tracker::failures`] was `failures_before` succeeded.
     pub fn observed(&mut self, seen: Seen, failures_before: u64) -> Observed {
         let now = seen.redis_ms;
+        // A process's first observation also opens its connection.
+        let slow_ms = match self.last {
+            Some(_) => self.slow_ms,
+            None => self.slow_ms + CONNECTING_MS,
+        };
         let mut out = Observed {
             after_failures: failures_before != self.seen_failures,
-            slow: seen.received_mono_ms.saturating_sub(seen.sent_mono_ms) > self.slow_ms,
+            slow: seen.received_mono_ms.saturating_sub(seen.sent_mono_ms) > slow_ms,
             ..Observed::default()
         };
         self.seen_failures = self.seen_failures.max(failures_before);
@@ -556,14 +565,18 @@ impl Reachable {
     /// sees a Redis that does not answer (a pause), which no other call may meet.
     pub async fn watch(&self, conn: RedisConn, stop: tokio_util::sync::CancellationToken) {
         loop {
+            let limit = match self.tracker().last {
+                Some(_) => self.step,
+                None => self.step + Duration::from_millis(CONNECTING_MS),
+            };
             let observed = tokio::select! {
-                r = tokio::time::timeout(self.step, self.observe(&conn)) => r,
+                r = tokio::time::timeout(limit, self.observe(&conn)) => r,
                 _ = stop.cancelled() => return,
             };
             if observed.is_err() {
                 self.note_failure(&format!(
                     "no answer to TIME and INFO within {} ms",
-                    self.step_ms()
+                    limit.as_millis()
                 ));
             }
             tokio::select! {
@@ -913,6 +926,15 @@ mod tests {
         let mut s = seen(T0 + 1000, 1000, "a", record("a", 0));
         s.local_ms = T0 + 60_000;
         assert!(t.observed(s, 0).clock_jump);
+    }
+
+    #[test]
+    fn a_first_observation_may_take_a_connection_longer() {
+        let mut t = Tracker::new(GRACE, 500);
+        let mut s = seen(T0, 0, "a", None);
+        s.received_mono_ms = 1500;
+        assert!(!t.observed(s, 0).slow);
+        assert_eq!(t.hold(1500), Hold::Ready);
     }
 
     #[test]
