@@ -20,7 +20,7 @@
 //! | `server:{<server>}:fenced` | Hash   | the workers: the verdict, with a TTL    |
 //! | `server:{<server>}:refused`| Hash   | connection servers: refused writes      |
 //! | `janitor:fenced`           | ZSet   | the workers: index of fences, by time   |
-//! | `janitor:guard`            | Hash   | the reconciler: outage record           |
+//! | `janitor:{guard}:reachable`| Hash   | the reconciler: Redis's last outage     |
 //!
 //! The keys from `cleanup` on are the janitor's own, except `refused`. `cleanup` records how far the walk of a
 //! dead server's reverse set has gone, so that a cleanup taken over after a crash resumes
@@ -30,7 +30,7 @@
 //! reverse-index sweep took out of a live server's set, scored by when, until their
 //! registration can no longer be in flight (the cleanup walks them too); `reported` keeps several reconcilers from publishing the same death more than
 //! once per window; `janitor:sweep` lets a restarted reconciler resume its sweep;
-//! `janitor:guard` records the run_ids of Redis and since when it has been reachable, so
+//! `janitor:{guard}:reachable` records the run_ids of Redis and since when it has been reachable, so
 //! that every reconciler (and every `reconcile --once`) holds its verdicts after an
 //! outage any of them saw, or after a restart that reloaded it (see
 //! [`crate::guard::reachable`]). The
@@ -186,8 +186,8 @@ impl Keys {
 
     /// The reconciler's reachable-time record (Hash: `run_ids`, `reachable_since_ms`);
     /// see [`crate::guard::reachable`].
-    pub fn guard(&self) -> String {
-        format!("{}janitor:guard", self.prefix)
+    pub fn guard_reachable(&self) -> String {
+        format!("{}janitor:{{guard}}:reachable", self.prefix)
     }
 
     /// The liveness-key name pattern of every server, for expiry notifications:
@@ -247,7 +247,7 @@ mod tests {
         assert_eq!(k.servers(), "t:servers");
         assert_eq!(k.server_fence(&s), "t:server:{gw-7#1732181000123}:fenced");
         assert_eq!(k.fences(), "t:janitor:fenced");
-        assert_eq!(k.guard(), "t:janitor:guard");
+        assert_eq!(k.guard_reachable(), "t:janitor:{guard}:reachable");
         assert_eq!(k.events(), "t:registry:events");
         assert_eq!(k.dead_letters(), "t:registry:events:dead");
         assert_eq!(Keys::new("").registry(), "registry");

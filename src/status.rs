@@ -44,7 +44,7 @@ pub struct Status {
     pub writing_window_ms: u64,
     /// The evictions stream, unless switched off.
     pub evictions: Option<EvictionsStatus>,
-    /// The reconciler's outage guard, from `janitor:guard`; `None` until a reconciler
+    /// The reconciler's outage guard, from `janitor:{guard}:reachable`; `None` until a reconciler
     /// has run (or where it may not be read).
     pub reachable: Option<ReachableStatus>,
 }
@@ -105,7 +105,7 @@ pub async fn collect(settings: &Settings) -> Result<Status> {
         .fenced_still_writing
         .sort_by_key(|f| std::cmp::Reverse(f.last_refused_ms));
     status.writing_window_ms = settings.heartbeat_grace_ms;
-    status.reachable = crate::guard::reachable::recorded_since(&conn, &keys.guard())
+    status.reachable = crate::guard::reachable::recorded_since(&conn, &keys.guard_reachable())
         .await
         .map(|since| ReachableStatus {
             reachable_since_ms: since,

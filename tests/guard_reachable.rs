@@ -363,7 +363,7 @@ async fn a_restart_from_disk_fences_no_live_server() {
     let worker = spawn_worker(&f.settings);
     wait_for("the guard record", Duration::from_secs(30), || async {
         let run_ids: redis::RedisResult<Option<String>> = redis::cmd("HGET")
-            .arg(f.keys.guard())
+            .arg(f.keys.guard_reachable())
             .arg("run_ids")
             .query_async(&mut f.conn.clone())
             .await;

@@ -6,7 +6,7 @@
 -- reconciler saw holds the verdicts of all. A stored value later than Redis's clock (the
 -- clock stepped back) is replaced by the given one; neither may be later than now.
 --
--- KEYS[1] janitor:guard
+-- KEYS[1] janitor:{guard}:reachable
 -- ARGV[1] run_ids (sorted, comma-separated; '' = unknown, the stored value stays)
 -- ARGV[2] reachable_since_ms (Redis time, unix ms; 0 = no outage known)
 -- Returns the stored reachable_since_ms.

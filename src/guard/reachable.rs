@@ -27,7 +27,7 @@
 //!   observation takes longer than [`Reachable::step`] to answer. The first successful
 //!   observation after that starts the new stretch;
 //! - **restart**: the run_ids of Redis (every master of a cluster; behind Sentinel, the
-//!   primary) differ from those recorded in `janitor:guard` or seen last by this process
+//!   primary) differ from those recorded in `janitor:{guard}:reachable` or seen last by this process
 //!   (a restart, or a failover: a promoted replica has another run_id). The record lives
 //!   in Redis, so every reconciler replica and every `reconcile --once` shares it, and a
 //!   restart that reloads it from an RDB or AOF still shows the old run_id. With no
@@ -39,7 +39,7 @@
 //!   for, plus [`Tracker::tolerance_ms`]: a step forward makes every score look old
 //!   (and expires liveness keys early).
 //!
-//! `reachable_since` is also stored in `janitor:guard` (the greatest known value wins), so
+//! `reachable_since` is also stored in `janitor:{guard}:reachable` (the greatest known value wins), so
 //! an outage that one replica saw holds the verdicts of all of them.
 //!
 //! The cost: after any outage, a server that really died is found up to one grace later.
@@ -90,7 +90,7 @@ impl Cause {
     }
 }
 
-/// What `janitor:guard` holds.
+/// What `janitor:{guard}:reachable` holds.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Record {
     /// The run_ids of Redis when a reconciler last looked (sorted, comma-separated; every
@@ -119,7 +119,7 @@ pub struct Seen {
     pub uptime_ms: Option<u64>,
     /// Some node loaded data from disk when it started.
     pub loaded_from_disk: bool,
-    /// `janitor:guard` as read; `None` when it does not exist.
+    /// `janitor:{guard}:reachable` as read; `None` when it does not exist.
     pub record: Option<Record>,
 }
 
@@ -137,7 +137,7 @@ pub struct Observed {
     /// The record's `reachable_since_ms` (another reconciler's) is later than this
     /// process's.
     pub adopted: bool,
-    /// What to store in `janitor:guard`, if it differs.
+    /// What to store in `janitor:{guard}:reachable`, if it differs.
     pub store: Option<Record>,
 }
 
@@ -381,13 +381,13 @@ static STORE: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(include_str!("guard_record.lua")));
 
 /// The reconciler's reachable-time guard: a [`Tracker`] fed by observations of Redis
-/// (TIME, INFO, `janitor:guard`) and by the reconciler's failed calls.
+/// (TIME, INFO, `janitor:{guard}:reachable`) and by the reconciler's failed calls.
 pub struct Reachable {
     grace_ms: u64,
     /// How often the running reconciler observes Redis, and how long an observation may
     /// take before Redis counts as not answering.
     step: Duration,
-    /// `janitor:guard` under the key prefix.
+    /// `janitor:{guard}:reachable` under the key prefix.
     key: String,
     /// For clients of the cluster's masters.
     settings: Settings,
@@ -401,7 +401,7 @@ pub struct Reachable {
     nodes: Mutex<HashMap<(String, u16), RedisConn>>,
     /// INFO was refused once (logged once): run_ids are unknown.
     info_refused: AtomicBool,
-    /// `janitor:guard` was refused once (logged once): the record is this process's.
+    /// `janitor:{guard}:reachable` was refused once (logged once): the record is this process's.
     record_refused: AtomicBool,
 }
 
@@ -412,7 +412,7 @@ impl Reachable {
         Reachable {
             grace_ms,
             step,
-            key: crate::keys::Keys::for_settings(settings).guard(),
+            key: crate::keys::Keys::for_settings(settings).guard_reachable(),
             settings: settings.clone(),
             metrics,
             started: Instant::now(),
@@ -671,7 +671,7 @@ impl Reachable {
         }
     }
 
-    /// `janitor:guard`, or `None` if it does not exist (or may not be read: then this
+    /// `janitor:{guard}:reachable`, or `None` if it does not exist (or may not be read: then this
     /// process's own view stands in for it, logged once).
     async fn read_record(&self, conn: &RedisConn) -> Result<Option<Record>> {
         let mut pipe = redis::pipe();
@@ -735,7 +735,7 @@ impl Reachable {
     }
 }
 
-/// What `janitor:guard` says now, for `status`: the start of the current stretch of
+/// What `janitor:{guard}:reachable` says now, for `status`: the start of the current stretch of
 /// reachable time (Redis time, unix ms; 0 for no outage known), or `None` when no
 /// reconciler has written it (or it may not be read).
 pub async fn recorded_since(conn: &RedisConn, key: &str) -> Option<u64> {
