@@ -22,19 +22,19 @@
 //! | `janitor:fenced`           | ZSet   | the workers: index of fences, by time   |
 //! | `janitor:{guard}:reachable`| Hash   | the reconciler: Redis's last outage     |
 //!
-//! The keys from `cleanup` on are the janitor's own, except `refused`. `cleanup` records how far the walk of a
-//! dead server's reverse set has gone, so that a cleanup taken over after a crash resumes
-//! there; `walking` is the reverse set itself, renamed away at the start of a walk so that
+//! The keys from `cleanup` on are the janitor's own, except `refused`. `cleanup` records
+//! how far the walk of a dead server's reverse set has gone, so that a cleanup taken over
+//! after a crash resumes there; `walking` is the reverse set itself, renamed away at the start of a walk so that
 //! members added meanwhile land in a new `users` set that is walked next (SSCAN does not
 //! promise to return members added during a scan); `moved` holds members that the
 //! reverse-index sweep took out of a live server's set, scored by when, until their
 //! registration can no longer be in flight (the cleanup walks them too); `reported` keeps several reconcilers from publishing the same death more than
 //! once per window; `janitor:sweep` lets a restarted reconciler resume its sweep;
-//! `janitor:{guard}:reachable` records the run_ids of Redis and since when it has been reachable, so
-//! that every reconciler (and every `reconcile --once`) holds its verdicts after an
-//! outage any of them saw, or after a restart that reloaded it (see
-//! [`crate::guard::reachable`]). The
-//! per-server ones share the server's hash tag (same cluster slot as the reverse set).
+//! `janitor:{guard}:reachable` records the run_ids of Redis and since when it has been
+//! reachable, so that every reconciler (and every `reconcile --once`) holds its verdicts
+//! after an outage any of them saw, or after a restart that reloaded it (see
+//! [`crate::guard::reachable`]). The per-server ones share the server's hash tag (same
+//! cluster slot as the reverse set).
 
 use crate::event::ServerId;
 

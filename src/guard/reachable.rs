@@ -27,8 +27,9 @@
 //!   observation takes longer than [`Reachable::step`] to answer. The first successful
 //!   observation after that starts the new stretch;
 //! - **restart**: the run_ids of Redis (every master of a cluster; behind Sentinel, the
-//!   primary) differ from those recorded in `janitor:{guard}:reachable` or seen last by this process
-//!   (a restart, or a failover: a promoted replica has another run_id). The record lives
+//!   primary) differ from those recorded in `janitor:{guard}:reachable` or seen last by
+//!   this process (a restart, or a failover: a promoted replica has another run_id). The
+//!   record lives
 //!   in Redis, so every reconciler replica and every `reconcile --once` shares it, and a
 //!   restart that reloads it from an RDB or AOF still shows the old run_id. With no
 //!   record at all (a first run ever), a Redis that loaded data from disk at start
@@ -39,8 +40,8 @@
 //!   for, plus [`Tracker::tolerance_ms`]: a step forward makes every score look old
 //!   (and expires liveness keys early).
 //!
-//! `reachable_since` is also stored in `janitor:{guard}:reachable` (the greatest known value wins), so
-//! an outage that one replica saw holds the verdicts of all of them.
+//! `reachable_since` is also stored in `janitor:{guard}:reachable` (the greatest known
+//! value wins), so an outage that one replica saw holds the verdicts of all of them.
 //!
 //! The cost: after any outage, a server that really died is found up to one grace later.
 
