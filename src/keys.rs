@@ -22,17 +22,23 @@
 //! | `janitor:fenced`           | ZSet   | the workers: index of fences, by time   |
 //! | `janitor:{guard}:held`     | Hash   | the workers: verdicts the guard holds   |
 //! | `janitor:{guard}:disputed` | ZSet   | the workers: disputed verdicts let through|
+//! | `janitor:{guard}:reachable`| Hash   | the reconciler: Redis's last outage     |
 //! | `receiver:alert:{<events>}:<alert>` | String | the alert receiver: entry id, TTL |
 //!
-//! The keys from `cleanup` on are the janitor's own, but for `refused` (written by the protocol). `cleanup` records how far the walk of a
-//! dead server's reverse set has gone, so that a cleanup taken over after a crash resumes
-//! there; `walking` is the reverse set itself, renamed away at the start of a walk so that
+//! The keys from `cleanup` on are the janitor's own, except `refused`. `cleanup` records
+//! how far the walk of a dead server's reverse set has gone, so that a cleanup taken over
+//! after a crash resumes there; `walking` is the reverse set itself, renamed away at the start of a walk so that
 //! members added meanwhile land in a new `users` set that is walked next (SSCAN does not
 //! promise to return members added during a scan); `moved` holds members that the
 //! reverse-index sweep took out of a live server's set, scored by when, until their
 //! registration can no longer be in flight (the cleanup walks them too); `reported` keeps several reconcilers from publishing the same death more than
-//! once per window; `janitor:sweep` lets a restarted reconciler resume its sweep. The
-//! per-server ones share the server's hash tag (same cluster slot as the reverse set).
+//! once per window; `janitor:sweep` lets a restarted reconciler resume its sweep;
+//! `janitor:{guard}:reachable` records the run_ids of Redis and since when it has been
+//! reachable, so that every reconciler (and every `reconcile --once`) holds its verdicts
+//! after an outage any of them saw, or after a restart that reloaded it (see
+//! [`crate::guard::reachable`]); `janitor:{guard}:held` and `janitor:{guard}:disputed`
+//! are the verdict hold's (see [`crate::guard::hold`]). The per-server ones share the
+//! server's hash tag (same cluster slot as the reverse set).
 //! `receiver:alert:*` records that the alert receiver published an alert (the entry id,
 //! for `alert_receiver_dedup_ttl_ms`); its hash tag is the events stream's name, so that
 //! it lives in the stream's cluster slot and one script can check it and publish.
@@ -198,6 +204,12 @@ impl Keys {
         format!("{}janitor:{{guard}}:disputed", self.prefix)
     }
 
+    /// The reconciler's reachable-time record (Hash: `run_ids`, `reachable_since_ms`);
+    /// see [`crate::guard::reachable`].
+    pub fn guard_reachable(&self) -> String {
+        format!("{}janitor:{{guard}}:reachable", self.prefix)
+    }
+
     /// The liveness-key name pattern of every server, for expiry notifications:
     /// returns the server id if `key` is a liveness key under this prefix.
     pub fn server_of_alive_key<'k>(&self, key: &'k str) -> Option<&'k str> {
@@ -277,6 +289,7 @@ mod tests {
         assert_eq!(k.fences(), "t:janitor:fenced");
         assert_eq!(k.guard_held(), "t:janitor:{guard}:held");
         assert_eq!(k.guard_disputed(), "t:janitor:{guard}:disputed");
+        assert_eq!(k.guard_reachable(), "t:janitor:{guard}:reachable");
         assert_eq!(k.events(), "t:registry:events");
         assert_eq!(k.dead_letters(), "t:registry:events:dead");
         assert_eq!(Keys::new("").registry(), "registry");

@@ -40,8 +40,10 @@
 //! - [`reconcile`]: the reconciler: the heartbeat pass (`pass.rs`), expiry hints
 //!   (`hints.rs`), the drift sweep on one node (`sweep.rs`) and on a cluster
 //!   (`sweep_cluster.rs`).
-//! - [`guard`]: between a verdict and its fence: doubtful verdicts (disputed, or of a
-//!   mass silence) beyond its limits are held (`hold.rs`, next to its Lua).
+//! - [`guard`]: keeps outages elsewhere and monitoring mistakes from fencing a live
+//!   fleet: verdicts on silent servers wait until Redis has been reachable for a full
+//!   grace (`reachable.rs`); doubtful verdicts (disputed, or of a mass silence) beyond
+//!   its limits are held (`hold.rs`, next to its Lua).
 //! - [`maintenance`]: stream retention and removal of gone consumers.
 //! - [`registry`]: the connection-server side (register, unregister, heartbeat), used
 //!   by connection servers in Rust, the demo and the tests.

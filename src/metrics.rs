@@ -2,7 +2,8 @@
 //! can run several workers in one process and read each one's numbers).
 
 use prometheus::{
-    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
+    Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+    TextEncoder,
 };
 
 /// Outcome label values of `registry_janitor_events_total`.
@@ -93,6 +94,16 @@ pub struct Metrics {
     pub evictions_users: IntCounter,
     /// 1 while Redis answers PING, 0 while it does not (see [`crate::health::watch_redis`]).
     pub redis_up: IntGauge,
+    /// How long Redis has been reachable without a break, as the reconciler knows it
+    /// (since its last outage, or since Redis started): verdicts on silent servers wait
+    /// while it is under `heartbeat_grace_ms` (see [`crate::guard::reachable`]).
+    pub reconcile_reachable_seconds: Gauge,
+    /// Redis outages the reconciler detected, by cause (`failed_calls`, `restart`,
+    /// `clock_jump`): each one holds verdicts for a grace.
+    pub reconcile_outages: IntCounterVec,
+    /// Servers whose verdict the last pass held because Redis had not been reachable
+    /// for a full grace yet.
+    pub reconcile_verdicts_waiting: IntGauge,
     /// The step limiter's window, steps in flight, queue delays and cuts
     /// (see [`crate::cleanup::limiter`]).
     pub steps: crate::cleanup::limiter::LimiterMetrics,
@@ -263,6 +274,33 @@ impl Metrics {
         registry
             .register(Box::new(redis_up.clone()))
             .expect("unique metric names");
+        let reconcile_reachable_seconds = Gauge::new(
+            "registry_janitor_reconcile_redis_reachable_seconds",
+            "How long Redis has been reachable without a break, as the reconciler knows it; verdicts on silent servers wait while it is under heartbeat_grace_ms",
+        )
+        .expect("valid metric");
+        let reconcile_outages = IntCounterVec::new(
+            Opts::new(
+                "registry_janitor_reconcile_outages_total",
+                "Redis outages the reconciler detected, by cause; each holds verdicts on silent servers for a grace",
+            ),
+            &["cause"],
+        )
+        .expect("valid metric");
+        let reconcile_verdicts_waiting = gauge(
+            "registry_janitor_reconcile_verdicts_waiting",
+            "Silent servers whose verdict the last reconcile pass held: Redis not yet reachable for a full grace",
+        );
+        for c in [
+            Box::new(reconcile_reachable_seconds.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(reconcile_outages.clone()),
+            Box::new(reconcile_verdicts_waiting.clone()),
+        ] {
+            registry.register(c).expect("unique metric names");
+        }
+        for cause in crate::guard::reachable::CAUSES {
+            reconcile_outages.with_label_values(&[cause]);
+        }
         let steps = crate::cleanup::limiter::LimiterMetrics {
             window: gauge(
                 "registry_janitor_step_window",
@@ -393,6 +431,9 @@ impl Metrics {
             evictions_entries,
             evictions_users,
             redis_up,
+            reconcile_reachable_seconds,
+            reconcile_outages,
+            reconcile_verdicts_waiting,
             steps,
             guard_held,
             guard_verdicts,

@@ -37,7 +37,7 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T>>,
 {
-    retry(what, token, None, None, None, op).await
+    retry(what, token, None, None, None, None, op).await
 }
 
 /// [`retrying`], counting every failed attempt in `errors`.
@@ -51,8 +51,11 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T>>,
 {
-    retry(what, token, errors, None, None, op).await
+    retry(what, token, errors, None, None, None, op).await
 }
+
+/// Told of every failed attempt (the reconciler's reachable-time guard).
+pub type OnFailure = Arc<dyn Fn(&Error) + Send + Sync>;
 
 /// What one process's retries report to: its error counter, its liveness and its list
 /// of failing work. Cheap to clone.
@@ -61,6 +64,9 @@ pub struct Watch {
     pub errors: prometheus::IntCounter,
     pub health: Arc<Health>,
     pub failing: Arc<Failing>,
+    /// Told of every failed attempt: the reconciler's guard takes a failed call for a
+    /// Redis outage (see [`crate::guard::reachable`]); `None` elsewhere.
+    pub on_failure: Option<OnFailure>,
 }
 
 impl Watch {
@@ -81,6 +87,7 @@ impl Watch {
             Some(&self.errors),
             Some(&self.health),
             Some(&self.failing),
+            self.on_failure.as_ref(),
             op,
         )
         .await
@@ -98,6 +105,7 @@ async fn retry<T, F, Fut>(
     errors: Option<&prometheus::IntCounter>,
     health: Option<&Health>,
     failing: Option<&Failing>,
+    on_failure: Option<&OnFailure>,
     mut op: F,
 ) -> Result<T>
 where
@@ -121,6 +129,9 @@ where
         };
         if let Some(errors) = errors {
             errors.inc();
+        }
+        if let Some(on_failure) = on_failure {
+            on_failure(&e);
         }
         if let Some(health) = health {
             health.beat();
@@ -228,6 +239,7 @@ mod tests {
             errors: prometheus::IntCounter::new("e", "e").unwrap(),
             health: Health::new(Duration::from_secs(60)),
             failing: Failing::new(),
+            on_failure: None,
         };
         let token = CancellationToken::new();
         let mut attempts = 0;

@@ -47,6 +47,20 @@ pub struct Status {
     /// Verdicts the guard holds (not fenced, not cleaned, not acknowledged), oldest
     /// first; see `registry-janitor held`.
     pub held: Vec<crate::guard::Hold>,
+    /// The reconciler's outage guard, from `janitor:{guard}:reachable`; `None` until a reconciler
+    /// has run (or where it may not be read).
+    pub reachable: Option<ReachableStatus>,
+}
+
+/// The reconciler's outage guard (see [`crate::guard::reachable`]).
+#[derive(Debug, Clone, Serialize)]
+pub struct ReachableStatus {
+    /// When the current stretch of reachable time began (Redis time, unix ms): the last
+    /// Redis outage a reconciler saw; 0 for none.
+    pub reachable_since_ms: u64,
+    /// How much longer verdicts on silent servers wait, by this machine's clock (0: they
+    /// are taken).
+    pub verdicts_wait_ms: u64,
 }
 
 /// The evictions stream: its length and how far each consumer group is behind.
@@ -94,6 +108,12 @@ pub async fn collect(settings: &Settings) -> Result<Status> {
         .fenced_still_writing
         .sort_by_key(|f| std::cmp::Reverse(f.last_refused_ms));
     status.writing_window_ms = settings.heartbeat_grace_ms;
+    status.reachable = crate::guard::reachable::recorded_since(&conn, &keys.guard_reachable())
+        .await
+        .map(|since| ReachableStatus {
+            reachable_since_ms: since,
+            verdicts_wait_ms: (since + settings.heartbeat_grace_ms).saturating_sub(crate::now_ms()),
+        });
     if let Some(stream) = keys.evictions() {
         status.evictions = Some(evictions_status(&conn, stream).await?);
     }
@@ -155,6 +175,7 @@ pub async fn collect_from(conn: &RedisConn, keys: &Keys) -> Result<Status> {
         writing_window_ms: 0,
         evictions: None,
         held: crate::guard::hold::list(conn, keys).await?,
+        reachable: None,
     };
     if stream_length == 0 && !exists(&mut c, &keys.events()).await? {
         return Ok(status);

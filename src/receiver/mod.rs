@@ -92,6 +92,7 @@ impl Receiver {
             errors: metrics.redis_errors.clone(),
             health: Health::new(Duration::from_secs(60)),
             failing: Failing::new(),
+            on_failure: None,
         };
         Ok(Receiver {
             inner: Arc::new(Inner {

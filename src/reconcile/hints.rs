@@ -63,7 +63,10 @@ impl Reconciler {
                         known = Some(addr);
                     }
                 }
-                Err(e) => debug!(error = %e, "finding the primary for expiry hints failed"),
+                Err(e) => {
+                    self.reach.failed(&e);
+                    debug!(error = %e, "finding the primary for expiry hints failed")
+                }
             }
             tokio::select! {
                 _ = tokio::time::sleep(FOLLOW_EVERY) => {}
@@ -108,7 +111,10 @@ impl Reconciler {
                     known = masters;
                 }
                 Ok(_) => {}
-                Err(e) => debug!(error = %e, "listing the cluster's masters failed"),
+                Err(e) => {
+                    self.reach.failed(&e);
+                    debug!(error = %e, "listing the cluster's masters failed")
+                }
             }
             tokio::select! {
                 _ = tokio::time::sleep(Duration::from_secs(5)) => {}
@@ -150,6 +156,7 @@ impl Reconciler {
                     p.into_on_message()
                 }
                 Err(e) => {
+                    self.reach.failed(&e.clone().into());
                     debug!(error = %e, "subscribing to expiry notifications failed");
                     let wait = backoff.next().unwrap_or(Duration::from_secs(5));
                     tokio::select! {
@@ -163,6 +170,7 @@ impl Reconciler {
             tokio::spawn(async move {
                 tokio::select! {
                     r = catch_up.pass() => if let Err(e) = r {
+                        catch_up.reach.failed(&e);
                         debug!(error = %e, "catch-up pass failed");
                     },
                     _ = stop.cancelled() => {}
@@ -186,6 +194,11 @@ impl Reconciler {
                     self.clone().spawn_hint_check(server, &shutdown);
                 }
             }
+            if shutdown.is_cancelled() {
+                return;
+            }
+            self.reach
+                .note_failure("the expiry notification subscription was lost");
             warn!("expiry notification subscription lost; subscribing again");
         }
     }
@@ -218,20 +231,25 @@ impl Reconciler {
     }
 
     /// Checks a server whose liveness key just expired; if its heartbeat is still within
-    /// the grace period, checks again when the grace period ends.
+    /// the grace period, checks again when the grace period ends; if Redis has not been
+    /// reachable for a full grace since its last outage, checks again when it has.
     pub(super) async fn on_expiry(&self, server: &ServerId) {
-        for _ in 0..2 {
+        for _ in 0..3 {
             match self.check(server).await {
                 Ok(Verdict::TooRecent { heartbeat_ms }) => {
                     let due = heartbeat_ms + self.settings.heartbeat_grace_ms + 50;
                     tokio::time::sleep(Duration::from_millis(due.saturating_sub(crate::now_ms())))
                         .await;
                 }
+                Ok(Verdict::Waiting { remaining_ms }) => {
+                    tokio::time::sleep(Duration::from_millis(remaining_ms + 50)).await;
+                }
                 Ok(verdict) => {
                     debug!(server_id = %server, ?verdict, "expiry hint checked");
                     return;
                 }
                 Err(e) => {
+                    self.reach.failed(&e);
                     debug!(server_id = %server, error = %e, "expiry hint check failed; the periodic pass will see it");
                     return;
                 }

@@ -14,6 +14,10 @@
 //!   from a stored cursor; entries whose owner is dead are deleted (`sweep_forward.lua`),
 //!   then the reverse sets of live servers lose members whose user moved elsewhere
 //!   (`sweep_reverse.lua`).
+//!
+//! All three hold their verdicts on silent servers until Redis has been reachable for a
+//! full `heartbeat_grace_ms` ([`crate::guard::reachable`]): an outage of Redis is no
+//! server's silence. Fenced servers stay dead meanwhile.
 
 use std::{
     collections::BTreeSet,
@@ -31,6 +35,7 @@ use crate::{
     conn,
     error::{Error, Result},
     event::ServerId,
+    guard::reachable::{Hold, Reachable},
     health::{Failing, Health, Readiness},
     keys::Keys,
     metrics::Metrics,
@@ -65,6 +70,9 @@ pub enum Verdict {
     AlreadyReported,
     /// Fenced, with nothing left to clean: not reported again (while the fence stands).
     FencedClean,
+    /// No liveness key, but Redis has not been reachable for a full grace since its last
+    /// outage: no verdict yet, for at least this long.
+    Waiting { remaining_ms: u64 },
 }
 
 /// One pass over `servers`.
@@ -80,6 +88,9 @@ pub struct PassReport {
     pub invalid: u64,
     /// Fenced servers with nothing left to clean (not reported again).
     pub fenced_clean: u64,
+    /// Servers without a liveness key whose verdict waits: Redis has not been reachable
+    /// for a full grace since its last outage.
+    pub waiting: u64,
 }
 
 /// One complete drift sweep.
@@ -98,6 +109,11 @@ pub struct SweepReport {
 pub struct OnceReport {
     pub pass: PassReport,
     pub sweep: SweepReport,
+    /// How long the run waited for Redis to be reachable for a full grace after an
+    /// outage, before its last pass.
+    pub waited_for_reachable_ms: u64,
+    /// Servers whose verdict the first pass held (checked again by the last pass).
+    pub waited_servers: u64,
 }
 
 impl std::fmt::Display for OnceReport {
@@ -106,15 +122,19 @@ impl std::fmt::Display for OnceReport {
         write!(
             f,
             "dead servers: {} published, {} already reported, {} alive, {} heartbeat within grace, \
-             {} fenced and clean ({} candidates, {} invalid ids); drift: {} of {} forward entries removed, \
+             {} fenced and clean, {} waiting for Redis to be reachable for a full grace \
+             ({} candidates, {} invalid ids; {} waited {} ms for reachable time); drift: {} of {} forward entries removed, \
              {} of {} reverse-index members of {} live servers removed",
             p.published,
             p.already_reported,
             p.alive,
             p.too_recent,
             p.fenced_clean,
+            p.waiting,
             p.candidates,
             p.invalid,
+            self.waited_servers,
+            self.waited_for_reachable_ms,
             s.entries_removed,
             s.entries_scanned,
             s.members_removed,
@@ -139,6 +159,9 @@ pub struct Reconciler {
     hint_permits: Arc<tokio::sync::Semaphore>,
     /// Servers being checked because of a hint: a second hint for one is dropped.
     hinted: Mutex<BTreeSet<ServerId>>,
+    /// Holds verdicts on silent servers until Redis has been reachable for a full grace
+    /// after an outage; told of every failed call.
+    reach: Arc<Reachable>,
 }
 
 impl Reconciler {
@@ -160,21 +183,35 @@ impl Reconciler {
             conn,
             client,
             settings: settings.clone(),
-            metrics,
             health: Health::new(stall_after),
             failing: Failing::new(),
             hint_permits: Arc::new(tokio::sync::Semaphore::new(HINT_CHECKS)),
             hinted: Mutex::default(),
+            reach: Arc::new(Reachable::new(settings, metrics.clone())),
+            metrics,
         })
     }
 
-    /// Where retries report: the error counter, the liveness, the readiness.
+    /// Where retries report: the error counter, the liveness, the readiness, and the
+    /// reachable-time guard.
     fn watch(&self) -> Watch {
+        let reach = self.reach.clone();
         Watch {
             errors: self.metrics.redis_errors.clone(),
             health: self.health.clone(),
             failing: self.failing.clone(),
+            on_failure: Some(Arc::new(move |e| reach.failed(e))),
         }
+    }
+
+    /// The reachable-time guard: may verdicts on silent servers be taken now?
+    pub fn reachable(&self) -> Arc<Reachable> {
+        self.reach.clone()
+    }
+
+    /// The guard's hold now (observing Redis first if needed).
+    pub(super) async fn hold(&self) -> Result<Hold> {
+        self.reach.hold(&self.conn).await
     }
 
     pub fn health(&self) -> Arc<Health> {
@@ -201,15 +238,44 @@ impl Reconciler {
     }
 
     /// [`Reconciler::run_once`], stopped with [`Error::Cancelled`] when `stop` fires.
+    ///
+    /// A pass whose verdicts wait for reachable time (Redis had an outage, or restarted
+    /// since a reconciler last looked) is run again once that time has passed: the run
+    /// takes up to one grace longer, and a server that died is still reported.
     pub async fn run_once_until(&self, stop: &CancellationToken) -> Result<OnceReport> {
-        let pass = self
-            .watch()
+        let watch = self.watch();
+        let mut pass = watch
             .retrying("reconcile pass", stop, || self.pass())
             .await?;
+        let (mut waited_for_reachable_ms, waited_servers) = (0, pass.waiting);
+        if pass.waiting > 0 {
+            let hold = watch
+                .retrying("reconcile pass", stop, || self.hold())
+                .await?;
+            let wait = hold
+                .remaining_ms(self.settings.heartbeat_grace_ms)
+                .min(self.settings.heartbeat_grace_ms)
+                + 50;
+            info!(
+                waiting = pass.waiting,
+                wait_ms = wait,
+                "verdicts wait until Redis has been reachable for a full grace; passing again then"
+            );
+            pause_or_stop(Duration::from_millis(wait), stop).await?;
+            waited_for_reachable_ms = wait;
+            pass = watch
+                .retrying("reconcile pass", stop, || self.pass())
+                .await?;
+        }
         let sweep = self
             .sweep(Duration::from_millis(self.settings.sweep_pause_ms), stop)
             .await?;
-        Ok(OnceReport { pass, sweep })
+        Ok(OnceReport {
+            pass,
+            sweep,
+            waited_for_reachable_ms,
+            waited_servers,
+        })
     }
 
     /// Runs the pass, the expiry hint listener and the sweep until `shutdown`.
@@ -226,6 +292,8 @@ impl Reconciler {
             this.metrics.redis_up.clone(),
             &shutdown,
         );
+        let (reach, conn, stop) = (this.reach.clone(), this.conn.clone(), shutdown.clone());
+        let guard = tokio::spawn(async move { reach.watch(conn, stop).await });
         let hints = tokio::spawn(this.clone().hint_loop(shutdown.clone()));
         let sweeper = tokio::spawn(this.clone().sweep_loop(shutdown.clone()));
         let interval = Duration::from_millis(this.settings.reconcile_interval_ms);
@@ -236,7 +304,9 @@ impl Reconciler {
                 .retrying("reconcile pass", &shutdown, || this.pass())
                 .await
             {
-                Ok(r) if r.published > 0 || r.invalid > 0 => info!(?r, "reconcile pass"),
+                Ok(r) if r.published > 0 || r.invalid > 0 || r.waiting > 0 => {
+                    info!(?r, "reconcile pass")
+                }
                 Ok(r) => debug!(?r, "reconcile pass"),
                 Err(Error::Cancelled) => break,
                 Err(e) => warn!(error = %e, "reconcile pass failed; next one in an interval"),
@@ -248,6 +318,7 @@ impl Reconciler {
         }
         let _ = hints.await;
         let _ = sweeper.await;
+        let _ = guard.await;
         info!("reconciler stopped");
         Ok(())
     }

@@ -4,7 +4,9 @@
 //! in the slot of `{S}`). Fenced servers (see [`crate::fence`]) are dead for good: one
 //! with anything left to clean is reported again, whatever its liveness key and score
 //! say (a writer of the original protocol may still heartbeat), until it is clean; a
-//! clean one is not reported again.
+//! clean one is not reported again. A server that is not fenced is never declared dead
+//! while Redis has not been reachable for a full grace since its last outage
+//! ([`crate::guard::reachable`]): the verdict waits ([`Verdict::Waiting`]).
 
 use std::sync::LazyLock;
 
@@ -15,6 +17,7 @@ use crate::{
     conn::{self, RedisConn},
     error::{Error, Result},
     event::{ServerDead, ServerId},
+    guard::reachable::Hold,
     keys::Keys,
 };
 
@@ -24,8 +27,11 @@ static REPORT_DEAD_CLUSTER: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(include_str!("report_dead_cluster.lua")));
 
 impl Reconciler {
-    /// Publishes `server.dead` for `server` if it is dead at this instant.
+    /// Publishes `server.dead` for `server` if it is dead at this instant. While Redis
+    /// has not been reachable for a full grace since its last outage, only a fenced
+    /// server may be: another one without a liveness key gets [`Verdict::Waiting`].
     pub async fn check(&self, server: &ServerId) -> Result<Verdict> {
+        let hold = self.hold().await?;
         let event = ServerDead::new(
             server,
             Some("heartbeat timeout".into()),
@@ -37,7 +43,9 @@ impl Reconciler {
             .saturating_mul(2)
             .max(1000);
         if self.conn.is_cluster() {
-            return self.check_on_cluster(server, &event, marker_ttl).await;
+            return self
+                .check_on_cluster(server, &event, marker_ttl, hold)
+                .await;
         }
         let mut call = REPORT_DEAD.prepare_invoke();
         call.key(self.keys.server_alive(server))
@@ -51,7 +59,8 @@ impl Reconciler {
         call.arg(server.as_str())
             .arg(self.cutoff_ms())
             .arg(event.encode())
-            .arg(marker_ttl);
+            .arg(marker_ttl)
+            .arg(if hold.is_ready() { "0" } else { "1" });
         let (verdict, detail): (i64, String) = call.invoke_async(&mut self.conn.clone()).await?;
         Ok(match verdict {
             1 => {
@@ -65,6 +74,9 @@ impl Reconciler {
             },
             3 => Verdict::AlreadyReported,
             4 => Verdict::FencedClean,
+            5 => Verdict::Waiting {
+                remaining_ms: hold.remaining_ms(self.settings.heartbeat_grace_ms),
+            },
             other => return Err(Error::Protocol(format!("report_dead.lua returned {other}"))),
         })
     }
@@ -76,10 +88,24 @@ impl Reconciler {
         server: &ServerId,
         event: &ServerDead,
         marker_ttl: u64,
+        hold: Hold,
     ) -> Result<Verdict> {
         let mut c = self.conn.clone();
         // A fenced server is dead whatever its heartbeat says (the script checks again).
         if !crate::fence::is_fenced(&self.conn, &self.keys, server).await? {
+            if !hold.is_ready() {
+                let alive: bool = redis::cmd("EXISTS")
+                    .arg(self.keys.server_alive(server))
+                    .query_async(&mut c)
+                    .await?;
+                return Ok(if alive {
+                    Verdict::Alive
+                } else {
+                    Verdict::Waiting {
+                        remaining_ms: hold.remaining_ms(self.settings.heartbeat_grace_ms),
+                    }
+                });
+            }
             let score: Option<f64> = redis::cmd("ZSCORE")
                 .arg(self.keys.servers())
                 .arg(server.as_str())
@@ -141,6 +167,8 @@ impl Reconciler {
     /// grace period, and every fenced server (see the module docs).
     pub async fn pass(&self) -> Result<PassReport> {
         let mut report = PassReport::default();
+        // Observed once before the candidates are listed; each check looks again.
+        self.hold().await?;
         let cutoff = self.cutoff_ms();
         let mut candidates: std::collections::BTreeSet<String> = self
             .known_servers()
@@ -168,8 +196,12 @@ impl Reconciler {
                 Verdict::TooRecent { .. } => report.too_recent += 1,
                 Verdict::AlreadyReported => report.already_reported += 1,
                 Verdict::FencedClean => report.fenced_clean += 1,
+                Verdict::Waiting { .. } => report.waiting += 1,
             }
         }
+        self.metrics
+            .reconcile_verdicts_waiting
+            .set(report.waiting as i64);
         self.metrics.reconcile_passes.inc();
         Ok(report)
     }

@@ -14,14 +14,17 @@
 -- KEYS[6] server:{S}:users  KEYS[7] server:{S}:walking  KEYS[8] server:{S}:moved
 -- ARGV[1] server id  ARGV[2] cutoff (unix ms: now - heartbeat_grace_ms)
 -- ARGV[3] the event's MessagePack payload  ARGV[4] marker TTL (ms)
+-- ARGV[5] '1' while Redis has not been reachable for a full grace since its last outage
+--         (src/guard/reachable.rs): a server that is not fenced is then not declared dead
 -- Returns {verdict, detail}: 1 published (detail: entry id); 0 alive (liveness key
 -- exists); 2 heartbeat too recent (detail: its score); 3 already reported; 4 fenced and
--- clean.
+-- clean; 5 waiting for reachable time.
 
 if redis.call('EXISTS', KEYS[5]) == 1 then
   if redis.call('EXISTS', KEYS[6], KEYS[7], KEYS[8]) == 0 then return {4, ''} end
 else
   if redis.call('EXISTS', KEYS[1]) == 1 then return {0, ''} end
+  if ARGV[5] == '1' then return {5, ''} end
   local score = redis.call('ZSCORE', KEYS[2], ARGV[1])
   if score and tonumber(score) > tonumber(ARGV[2]) then return {2, score} end
 end

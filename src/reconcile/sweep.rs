@@ -38,8 +38,11 @@ impl Reconciler {
     }
 
     /// One step of the forward sweep; `cursor` None resumes from the stored cursor.
-    /// Returns (next cursor, entries scanned, entries removed).
+    /// Returns (next cursor, entries scanned, entries removed). While Redis has not been
+    /// reachable for a full grace since its last outage, only entries of fenced owners
+    /// are deleted.
     pub async fn sweep_step(&self, cursor: Option<&str>) -> Result<(String, u64, u64)> {
+        let hold = self.hold().await?;
         let pattern = crate::keys::pattern_under(&self.keys.user_key_prefix());
         let mut call = SWEEP_FORWARD.prepare_invoke();
         call.key(self.keys.registry())
@@ -53,7 +56,8 @@ impl Reconciler {
             .arg(self.keys.prefix())
             .arg(self.sweep_cutoff_ms())
             .arg(pattern)
-            .arg(cursor.unwrap_or(""));
+            .arg(cursor.unwrap_or(""))
+            .arg(if hold.is_ready() { "0" } else { "1" });
         let (next, scanned, removed, announced): (String, u64, u64, u64) =
             call.invoke_async(&mut self.conn.clone()).await?;
         self.metrics.drift_entries_removed.inc_by(removed);

@@ -272,12 +272,15 @@ impl Reconciler {
         let alive: Vec<bool> = conn::each_in_flight(&self.conn, exists).await?;
         let scores: Vec<Option<f64>> = conn::each_in_flight(&self.conn, scores).await?;
         let fenced: Vec<bool> = conn::each_in_flight(&self.conn, fences).await?;
+        // Read after the owners: an outage meanwhile holds these verdicts too.
+        let holding = !self.hold().await?.is_ready();
         let cutoff = self.sweep_cutoff_ms();
         let mut removed = 0;
         let states = alive.into_iter().zip(scores).zip(fenced);
         for ((owner, users), ((has_key, score), fenced)) in by_owner.iter().zip(states) {
-            // Fenced: declared dead for good, whatever its liveness key says.
-            let dead = fenced || (!has_key && score.is_none_or(|s| s as u64 <= cutoff));
+            // Fenced: declared dead for good, whatever its liveness key says. Others only
+            // once Redis has been reachable for a full grace.
+            let dead = fenced || (!holding && !has_key && score.is_none_or(|s| s as u64 <= cutoff));
             if dead {
                 let checked = crate::forward::check_delete(
                     &self.conn,

@@ -13,12 +13,15 @@
 -- KEYS[1] registry  KEYS[2] sweep hash (janitor's own)  KEYS[3] servers  KEYS[4] evictions
 -- ARGV[1] 'hash' or 'keys'  ARGV[2] COUNT  ARGV[3] key prefix  ARGV[4] cutoff (unix ms)
 -- ARGV[5] MATCH pattern of forward keys (layout keys)  ARGV[6] cursor, or '' for the stored one
+-- ARGV[7] '1' while Redis has not been reachable for a full grace since its last outage
+--         (src/guard/reachable.rs): only entries of fenced owners are deleted then
 -- Returns {next cursor, entries scanned, entries removed, evictions entries written}
 
 local registry_key, sweep_key, servers_key = KEYS[1], KEYS[2], KEYS[3]
 local hash_layout = ARGV[1] == 'hash'
 local prefix, cutoff = ARGV[3], tonumber(ARGV[4])
 local cursor = ARGV[6]
+local holding = ARGV[7] == '1'
 local evictions = KEYS[4]
 local check = check_evictions_stream(evictions)
 if check then return check end
@@ -52,7 +55,7 @@ local function is_dead(owner)
       dead[owner] = false
     elseif redis.call('EXISTS', prefix .. 'server:{' .. owner .. '}:fenced') == 1 then
       dead[owner] = true
-    elseif redis.call('EXISTS', prefix .. 'server:{' .. owner .. '}:alive') == 1 then
+    elseif holding or redis.call('EXISTS', prefix .. 'server:{' .. owner .. '}:alive') == 1 then
       dead[owner] = false
     else
       local score = redis.call('ZSCORE', servers_key, owner)

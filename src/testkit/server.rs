@@ -1,7 +1,8 @@
 //! A private `redis-server` on a free loopback port, stopped when dropped.
 //!
-//! Persistence is off and the log goes to a file in a temporary directory, so a failing
-//! test can show it.
+//! Persistence is off unless the extra arguments turn it on (`--appendonly yes`; a SAVE
+//! writes `dump.rdb`, which a restart loads), and the log goes to a file in a temporary
+//! directory, so a failing test can show it. The directory is kept across restarts.
 
 use std::{
     net::TcpListener,
@@ -29,7 +30,8 @@ pub fn cli_binary() -> String {
 pub struct RedisServer {
     pub(super) child: Option<Child>,
     port: u16,
-    /// Holds the log file (and nothing else: no persistence); removed on drop.
+    /// Holds the log file and, with persistence on, the RDB and AOF files; removed on
+    /// drop, kept across restarts.
     dir: tempfile::TempDir,
     /// Extra `redis-server` arguments, kept so a restart brings back the same server.
     args: Vec<String>,
@@ -85,6 +87,27 @@ impl RedisServer {
 
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// The process id while the server runs (to pause it with SIGSTOP, for one).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
+    /// Sends `signal` (e.g. `STOP`, `CONT`) to the server process.
+    pub fn signal(&self, signal: &str) -> Result<()> {
+        let pid = self
+            .pid()
+            .ok_or_else(|| Error::LocalRedis("the server is not running".into()))?;
+        let status = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(pid.to_string())
+            .status()
+            .map_err(|e| Error::io("running kill", e))?;
+        if !status.success() {
+            return Err(Error::LocalRedis(format!("kill -{signal} {pid}: {status}")));
+        }
+        Ok(())
     }
 
     /// The server's log so far (for failure messages).

@@ -124,6 +124,7 @@ impl Worker {
             errors: self.metrics.redis_errors.clone(),
             health: self.health.clone(),
             failing: self.failing.clone(),
+            on_failure: None,
         }
     }
 

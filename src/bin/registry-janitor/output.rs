@@ -132,6 +132,16 @@ impl fmt::Display for StatusText<'_> {
             Some(dead) => writeln!(f, " ({dead} dead, not yet cleaned)")?,
             None => writeln!(f)?,
         }
+        if let Some(r) = &s.reachable {
+            match (r.reachable_since_ms, r.verdicts_wait_ms) {
+                (0, _) => writeln!(f, "redis outages   none seen by the reconciler")?,
+                (since, 0) => writeln!(f, "redis outages   last one ended at {since} (unix ms)")?,
+                (since, wait) => writeln!(
+                    f,
+                    "redis outages   one ended at {since} (unix ms): verdicts on silent servers wait {wait} ms more"
+                )?,
+            }
+        }
         if let Some(fenced) = s.fenced {
             writeln!(
                 f,

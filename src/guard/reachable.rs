@@ -1,0 +1,1026 @@
+//! Reachable time: Redis's own absence is never a server's silence.
+//!
+//! A server is declared dead when its liveness key is gone and its last heartbeat is older
+//! than `heartbeat_grace_ms`. While nobody can reach Redis (down, restarting, loading a
+//! large RDB, failing over, paused, refusing writes), no server can heartbeat either: its
+//! liveness key expires and its score ages, and the first pass after Redis comes back
+//! would take the whole fleet for dead. So a server counts as silent past the grace only
+//! if
+//!
+//! ```text
+//! now - max(last_heartbeat(S), reachable_since) >= heartbeat_grace_ms
+//! ```
+//!
+//! where `reachable_since` is the start of the current stretch of time during which Redis
+//! has been continuously reachable and stable. The condition splits in two: the
+//! heartbeat's age, measured as before (the reconciler's clock against the connection
+//! server's score), and the reachable time, measured on **Redis's clock** alone
+//! (`reachable_since` and "now" both come from TIME), so that no skew between the
+//! reconciler and Redis can shorten it. While the reachable time is shorter than the
+//! grace, verdicts on silent servers wait ([`Hold::Waiting`]); fenced servers stay dead.
+//!
+//! `reachable_since` moves to "now" when:
+//! - **failed calls**: any call of the reconciler fails in a way that means Redis is away
+//!   or not serving (refused, reset, timed out, LOADING, BUSY, MASTERDOWN, TRYAGAIN,
+//!   CLUSTERDOWN, READONLY, OOM...: the transient errors of [`crate::error`], less those
+//!   that only mean "ask elsewhere or again": MOVED, ASK, NOSCRIPT, UNBLOCKED), or an
+//!   observation takes longer than [`Reachable::step`] to answer. The first successful
+//!   observation after that starts the new stretch;
+//! - **restart**: the run_ids of Redis (every master of a cluster; behind Sentinel, the
+//!   primary) differ from those recorded in `janitor:{guard}:reachable` or seen last by
+//!   this process (a restart, or a failover: a promoted replica has another run_id). The
+//!   record lives
+//!   in Redis, so every reconciler replica and every `reconcile --once` shares it, and a
+//!   restart that reloads it from an RDB or AOF still shows the old run_id. With no
+//!   record at all (a first run ever), a Redis that loaded data from disk at start
+//!   (`rdb_last_load_keys_loaded` > 0, or AOF on: Redis 7.0 reports no count of keys
+//!   loaded from an AOF) and is younger than the grace counts from its start;
+//! - **clock jump**: between two observations of this process, Redis's TIME (or the
+//!   reconciler's own wall clock) advanced more than the monotonic clock could account
+//!   for, plus [`Tracker::tolerance_ms`]: a step forward makes every score look old
+//!   (and expires liveness keys early).
+//!
+//! `reachable_since` is also stored in `janitor:{guard}:reachable` (the greatest known
+//! value wins), so an outage that one replica saw holds the verdicts of all of them.
+//!
+//! The cost: after any outage, a server that really died is found up to one grace later.
+
+use std::{
+    collections::HashMap,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        LazyLock, Mutex,
+    },
+    time::{Duration, Instant},
+};
+
+use tracing::{info, warn};
+
+use crate::{
+    config::Settings,
+    conn::{self, RedisConn},
+    error::{Error, Result},
+    metrics::Metrics,
+};
+
+/// What a process's first observation may take on top of [`Reachable::step`]: it opens
+/// the connection (the connect timeout is 2 s).
+const CONNECTING_MS: u64 = 2000;
+
+/// Labels of `registry_janitor_reconcile_outages_total`.
+pub const CAUSES: [&str; 3] = ["failed_calls", "restart", "clock_jump"];
+
+/// What an observation found that starts a new stretch of reachable time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cause {
+    /// A call failed, or Redis took too long to answer.
+    FailedCalls,
+    /// Redis restarted or failed over (another run_id), or started recently from disk.
+    Restart,
+    /// Redis's clock (or the reconciler's) stepped forward.
+    ClockJump,
+}
+
+impl Cause {
+    pub fn label(self) -> &'static str {
+        match self {
+            Cause::FailedCalls => CAUSES[0],
+            Cause::Restart => CAUSES[1],
+            Cause::ClockJump => CAUSES[2],
+        }
+    }
+}
+
+/// What `janitor:{guard}:reachable` holds.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Record {
+    /// The run_ids of Redis when a reconciler last looked (sorted, comma-separated; every
+    /// master of a cluster). `None` where INFO gives none.
+    pub run_ids: Option<String>,
+    /// Redis time (unix ms) at which the current stretch of reachable time began; 0 for
+    /// none known.
+    pub reachable_since_ms: u64,
+}
+
+/// One successful observation of Redis.
+#[derive(Debug, Clone, Default)]
+pub struct Seen {
+    /// Redis's TIME (unix ms); on a cluster, that of the first master.
+    pub redis_ms: u64,
+    /// This process's monotonic clock (ms) when the observation was sent...
+    pub sent_mono_ms: u64,
+    /// ...and when its last reply came back.
+    pub received_mono_ms: u64,
+    /// This process's wall clock (unix ms) when the reply came back.
+    pub local_ms: u64,
+    /// Sorted, comma-separated run_ids (every master of a cluster); `None` where INFO is
+    /// refused or names none.
+    pub run_ids: Option<String>,
+    /// The shortest uptime among the nodes (ms), if INFO gave one.
+    pub uptime_ms: Option<u64>,
+    /// Some node loaded data from disk when it started.
+    pub loaded_from_disk: bool,
+    /// `janitor:{guard}:reachable` as read; `None` when it does not exist.
+    pub record: Option<Record>,
+}
+
+/// What one observation changed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Observed {
+    /// Failed calls (already reported by [`Tracker::failed`]) ended with this observation.
+    pub after_failures: bool,
+    /// The observation itself took longer than the step to answer.
+    pub slow: bool,
+    pub restart: bool,
+    pub clock_jump: bool,
+    /// No record, and Redis started recently with data from disk.
+    pub started_recently: bool,
+    /// The record's `reachable_since_ms` (another reconciler's) is later than this
+    /// process's.
+    pub adopted: bool,
+    /// What to store in `janitor:{guard}:reachable`, if it differs.
+    pub store: Option<Record>,
+}
+
+/// May verdicts on silent (not fenced) servers be taken now?
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hold {
+    /// Redis has been reachable for a full grace.
+    Ready,
+    /// Reachable, but not for a full grace yet: this much longer.
+    Waiting { remaining_ms: u64 },
+    /// A call failed and no observation has succeeded since (or none ever did).
+    Unreachable,
+}
+
+impl Hold {
+    pub fn is_ready(self) -> bool {
+        self == Hold::Ready
+    }
+
+    /// How long verdicts still wait at least (the grace while unreachable).
+    pub fn remaining_ms(self, grace_ms: u64) -> u64 {
+        match self {
+            Hold::Ready => 0,
+            Hold::Waiting { remaining_ms } => remaining_ms,
+            Hold::Unreachable => grace_ms,
+        }
+    }
+}
+
+/// The reachable-time state machine, without I/O: every time is given to it, so that
+/// the tests can move clocks.
+#[derive(Debug)]
+pub struct Tracker {
+    grace_ms: u64,
+    /// A step of Redis's clock within this is ignored (see [`Tracker::new`]).
+    tolerance_ms: u64,
+    /// An observation slower than this counts as "not answering".
+    slow_ms: u64,
+    /// Failed calls so far.
+    failures: u64,
+    /// Failed calls accounted for by a successful observation; fewer than `failures`
+    /// means Redis is unreachable now.
+    seen_failures: u64,
+    /// The last successful observation.
+    last: Option<Seen>,
+    /// Redis time (unix ms) at which the current reachable stretch began.
+    reachable_since_ms: u64,
+    /// An outage was reported and its grace has not been seen to end yet (for the
+    /// "verdicts resume" log line).
+    holding: bool,
+}
+
+impl Tracker {
+    /// The clock-jump tolerance is a quarter of the grace, at most 1 s: a live server's
+    /// heartbeat is at most one heartbeat interval old, which must be well under the
+    /// grace anyway, so a smaller step cannot take a live server past the grace; NTP's
+    /// slewing moves a clock by at most 0.5 ms per second, far below it. The monotonic
+    /// bound already includes the round trips, so a slow reply is no jump.
+    pub fn new(grace_ms: u64, slow_ms: u64) -> Self {
+        Tracker {
+            grace_ms,
+            tolerance_ms: (grace_ms / 4).min(1000),
+            slow_ms,
+            failures: 0,
+            seen_failures: 0,
+            last: None,
+            reachable_since_ms: 0,
+            holding: false,
+        }
+    }
+
+    pub fn tolerance_ms(&self) -> u64 {
+        self.tolerance_ms
+    }
+
+    /// A call failed with an outage error; true if Redis was taken as reachable until now
+    /// (the start of an outage).
+    pub fn failed(&mut self) -> bool {
+        let first = self.failures == self.seen_failures;
+        self.failures += 1;
+        self.holding = true;
+        first
+    }
+
+    /// Failed calls so far: taken before an observation is sent, and given back to
+    /// [`Tracker::observed`].
+    pub fn failures(&self) -> u64 {
+        self.failures
+    }
+
+    /// An observation sent when [`Tracker::failures`] was `failures_before` succeeded.
+    pub fn observed(&mut self, seen: Seen, failures_before: u64) -> Observed {
+        let now = seen.redis_ms;
+        // A process's first observation also opens its connection.
+        let slow_ms = match self.last {
+            Some(_) => self.slow_ms,
+            None => self.slow_ms + CONNECTING_MS,
+        };
+        let mut out = Observed {
+            after_failures: failures_before != self.seen_failures,
+            slow: seen.received_mono_ms.saturating_sub(seen.sent_mono_ms) > slow_ms,
+            ..Observed::default()
+        };
+        self.seen_failures = self.seen_failures.max(failures_before);
+        if let Some(current) = &seen.run_ids {
+            let recorded = seen.record.as_ref().and_then(|r| r.run_ids.as_ref());
+            let previous = self.last.as_ref().and_then(|l| l.run_ids.as_ref());
+            out.restart = [recorded, previous]
+                .into_iter()
+                .flatten()
+                .any(|known| known != current);
+        }
+        if let Some(p) = &self.last {
+            let redis_delta = now.saturating_sub(p.redis_ms);
+            let redis_bound = seen.received_mono_ms.saturating_sub(p.sent_mono_ms);
+            let local_delta = seen.local_ms.saturating_sub(p.local_ms);
+            let local_bound = seen.received_mono_ms.saturating_sub(p.received_mono_ms);
+            out.clock_jump = redis_delta > redis_bound + self.tolerance_ms
+                || local_delta > local_bound + self.tolerance_ms;
+        }
+        let mut since = self.reachable_since_ms;
+        if seen.record.is_none() && seen.loaded_from_disk {
+            if let Some(up) = seen.uptime_ms.filter(|&up| up < self.grace_ms) {
+                out.started_recently = true;
+                since = since.max(now.saturating_sub(up));
+            }
+        }
+        if out.after_failures || out.slow || out.restart || out.clock_jump {
+            since = now;
+        }
+        // A record from the future (Redis's clock stepped back) is not honoured.
+        let recorded = seen
+            .record
+            .as_ref()
+            .map_or(0, |r| r.reachable_since_ms)
+            .min(now);
+        if recorded > since {
+            out.adopted = recorded > self.reachable_since_ms;
+            since = recorded;
+        }
+        // Redis's clock stepped back past the stretch's start: a full grace from now.
+        if since > now {
+            since = now;
+        }
+        self.reachable_since_ms = since;
+        let stored = seen.record.clone().unwrap_or_default();
+        let wanted = Record {
+            run_ids: seen.run_ids.clone().or(stored.run_ids.clone()),
+            reachable_since_ms: since,
+        };
+        if seen.record.is_none() || wanted != stored {
+            out.store = Some(wanted);
+        }
+        if out.slow || out.restart || out.clock_jump || out.started_recently || out.adopted {
+            self.holding = true;
+        }
+        self.last = Some(seen);
+        out
+    }
+
+    /// The store wrote `reachable_since_ms` (the greatest known): adopted.
+    pub fn stored(&mut self, reachable_since_ms: u64) {
+        let now = self.last.as_ref().map_or(u64::MAX, |l| l.redis_ms);
+        if reachable_since_ms > self.reachable_since_ms && reachable_since_ms <= now {
+            self.reachable_since_ms = reachable_since_ms;
+        }
+    }
+
+    /// Redis time now, as estimated from the last observation (a lower bound: the
+    /// monotonic time since its reply came back).
+    fn redis_now(&self, mono_now_ms: u64) -> Option<u64> {
+        let l = self.last.as_ref()?;
+        Some(l.redis_ms + mono_now_ms.saturating_sub(l.received_mono_ms))
+    }
+
+    /// May verdicts on silent servers be taken at monotonic time `mono_now_ms`?
+    pub fn hold(&self, mono_now_ms: u64) -> Hold {
+        if self.failures != self.seen_failures {
+            return Hold::Unreachable;
+        }
+        let Some(now) = self.redis_now(mono_now_ms) else {
+            return Hold::Unreachable;
+        };
+        let until = self.reachable_since_ms.saturating_add(self.grace_ms);
+        if now < until {
+            Hold::Waiting {
+                remaining_ms: until - now,
+            }
+        } else {
+            Hold::Ready
+        }
+    }
+
+    /// True once, when a reported outage's grace of reachable time has passed.
+    pub fn resumed(&mut self, mono_now_ms: u64) -> bool {
+        if self.holding && self.hold(mono_now_ms).is_ready() {
+            self.holding = false;
+            return true;
+        }
+        false
+    }
+
+    /// Milliseconds since the last observation (`None` before the first).
+    pub fn age_ms(&self, mono_now_ms: u64) -> Option<u64> {
+        Some(mono_now_ms.saturating_sub(self.last.as_ref()?.received_mono_ms))
+    }
+
+    /// How long Redis has been reachable without a break, as far as known: since the
+    /// last outage, or since Redis started. 0 while unreachable.
+    pub fn reachable_for_ms(&self, mono_now_ms: u64) -> u64 {
+        if self.failures != self.seen_failures {
+            return 0;
+        }
+        let (Some(now), Some(l)) = (self.redis_now(mono_now_ms), self.last.as_ref()) else {
+            return 0;
+        };
+        let started = l.uptime_ms.map_or(0, |up| l.redis_ms.saturating_sub(up));
+        now.saturating_sub(self.reachable_since_ms.max(started))
+    }
+
+    /// The current stretch's start (Redis time, unix ms; 0 for none known).
+    pub fn reachable_since_ms(&self) -> u64 {
+        self.reachable_since_ms
+    }
+}
+
+/// True for an error that means Redis is away or not serving (see the module docs).
+pub fn is_outage(e: &Error) -> bool {
+    let Error::Redis(r) = e else {
+        return false;
+    };
+    if !crate::error::redis_error_is_retryable(r) {
+        return false;
+    }
+    !matches!(r.code(), Some("MOVED" | "ASK" | "NOSCRIPT" | "UNBLOCKED"))
+}
+
+/// Stores the record: `reachable_since_ms` is the greatest of the stored and the given
+/// (a stored value from the future, after Redis's clock stepped back, is replaced).
+static STORE: LazyLock<redis::Script> =
+    LazyLock::new(|| redis::Script::new(include_str!("guard_record.lua")));
+
+/// The reconciler's reachable-time guard: a [`Tracker`] fed by observations of Redis
+/// (TIME, INFO, `janitor:{guard}:reachable`) and by the reconciler's failed calls.
+pub struct Reachable {
+    grace_ms: u64,
+    /// How often the running reconciler observes Redis, and how long an observation may
+    /// take before Redis counts as not answering.
+    step: Duration,
+    /// `janitor:{guard}:reachable` under the key prefix.
+    key: String,
+    /// For clients of the cluster's masters.
+    settings: Settings,
+    metrics: Metrics,
+    /// Zero of the monotonic clock the tracker is given.
+    started: Instant,
+    tracker: Mutex<Tracker>,
+    /// One observation at a time; those who waited find it fresh.
+    observing: tokio::sync::Mutex<()>,
+    /// A cluster's masters, by address, kept between observations.
+    nodes: Mutex<HashMap<(String, u16), RedisConn>>,
+    /// INFO was refused once (logged once): run_ids are unknown.
+    info_refused: AtomicBool,
+    /// `janitor:{guard}:reachable` was refused once (logged once): the record is this process's.
+    record_refused: AtomicBool,
+}
+
+impl Reachable {
+    pub fn new(settings: &Settings, metrics: Metrics) -> Self {
+        let grace_ms = settings.heartbeat_grace_ms;
+        let step = Duration::from_millis((grace_ms / 4).clamp(250, 1000));
+        Reachable {
+            grace_ms,
+            step,
+            key: crate::keys::Keys::for_settings(settings).guard_reachable(),
+            settings: settings.clone(),
+            metrics,
+            started: Instant::now(),
+            tracker: Mutex::new(Tracker::new(grace_ms, step.as_millis() as u64)),
+            observing: tokio::sync::Mutex::new(()),
+            nodes: Mutex::default(),
+            info_refused: AtomicBool::new(false),
+            record_refused: AtomicBool::new(false),
+        }
+    }
+
+    /// A quarter of the grace, between 250 ms and 1 s: how often [`Reachable::watch`]
+    /// observes, the longest an observation may take, and the oldest observation a
+    /// verdict relies on. A pause of Redis longer than two steps is always seen, and a
+    /// pause shorter than that cannot age a live server past the grace unless its
+    /// heartbeat interval exceeds half the grace.
+    pub fn step(&self) -> Duration {
+        self.step
+    }
+
+    fn mono_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+
+    fn tracker(&self) -> std::sync::MutexGuard<'_, Tracker> {
+        self.tracker.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A call of the reconciler failed: an outage if the error says Redis is away.
+    pub fn failed(&self, e: &Error) {
+        if is_outage(e) {
+            self.note_failure(&e.to_string());
+        }
+    }
+
+    /// Redis is away or not answering (`why`).
+    pub fn note_failure(&self, why: &str) {
+        if self.tracker().failed() {
+            self.metrics
+                .reconcile_outages
+                .with_label_values(&[Cause::FailedCalls.label()])
+                .inc();
+            self.metrics.reconcile_reachable_seconds.set(0.0);
+            warn!(
+                cause = Cause::FailedCalls.label(),
+                error = %why,
+                grace_ms = self.grace_ms,
+                "Redis outage: verdicts on silent servers wait until Redis has been reachable for a full grace"
+            );
+        }
+    }
+
+    /// May verdicts on silent servers be taken now? Observes Redis first if the last
+    /// observation is older than [`Reachable::step`] or a call failed since.
+    pub async fn hold(&self, conn: &RedisConn) -> Result<Hold> {
+        let stale = {
+            let t = self.tracker();
+            let pending = t.failures() != t.seen_failures;
+            pending || t.age_ms(self.mono_ms()).is_none_or(|a| a > self.step_ms())
+        };
+        if stale {
+            self.observe(conn).await?;
+        }
+        Ok(self.current())
+    }
+
+    /// The hold as of the last observation, without observing.
+    pub fn current(&self) -> Hold {
+        let now = self.mono_ms();
+        let (hold, resumed, reachable_for) = {
+            let mut t = self.tracker();
+            (t.hold(now), t.resumed(now), t.reachable_for_ms(now))
+        };
+        self.metrics
+            .reconcile_reachable_seconds
+            .set(reachable_for as f64 / 1000.0);
+        if resumed {
+            info!(
+                grace_ms = self.grace_ms,
+                "Redis has been reachable for a full grace since its last outage: verdicts on silent servers resume"
+            );
+        }
+        hold
+    }
+
+    fn step_ms(&self) -> u64 {
+        self.step.as_millis() as u64
+    }
+
+    /// Observes Redis now: TIME, the run_ids, the shared record; stores the record if it
+    /// changes. A failure that means an outage is noted.
+    pub async fn observe(&self, conn: &RedisConn) -> Result<()> {
+        let _one = self.observing.lock().await;
+        let failures_before = self.tracker().failures();
+        let seen = match self.read(conn).await {
+            Ok(seen) => seen,
+            Err(e) => {
+                self.failed(&e);
+                return Err(e);
+            }
+        };
+        let (redis_ms, run_ids) = (seen.redis_ms, seen.run_ids.clone());
+        let out = self.tracker().observed(seen, failures_before);
+        let report = |cause: Cause, what: &str| {
+            self.metrics
+                .reconcile_outages
+                .with_label_values(&[cause.label()])
+                .inc();
+            warn!(
+                cause = cause.label(),
+                redis_time_ms = redis_ms,
+                run_ids = run_ids.as_deref().unwrap_or("unknown"),
+                grace_ms = self.grace_ms,
+                "Redis outage ({what}): verdicts on silent servers wait until Redis has been reachable for a full grace"
+            );
+        };
+        if out.slow {
+            report(Cause::FailedCalls, "Redis took too long to answer");
+        }
+        if out.restart {
+            report(
+                Cause::Restart,
+                "another run_id: Redis restarted or failed over",
+            );
+        }
+        if out.started_recently {
+            report(
+                Cause::Restart,
+                "Redis started less than a grace ago with data from disk",
+            );
+        }
+        if out.clock_jump {
+            report(Cause::ClockJump, "a clock stepped forward");
+        }
+        if out.adopted {
+            info!(
+                reachable_since_ms = self.tracker().reachable_since_ms(),
+                "another reconciler recorded a Redis outage: verdicts on silent servers wait for its grace"
+            );
+        }
+        if let Some(record) = out.store {
+            self.store(conn, &record).await?;
+        }
+        self.current();
+        Ok(())
+    }
+
+    /// Runs [`Reachable::observe`] every [`Reachable::step`] until `stop`; an observation
+    /// that takes longer than a step counts as an outage. Between passes this is what
+    /// sees a Redis that does not answer (a pause), which no other call may meet.
+    pub async fn watch(&self, conn: RedisConn, stop: tokio_util::sync::CancellationToken) {
+        loop {
+            let limit = match self.tracker().last {
+                Some(_) => self.step,
+                None => self.step + Duration::from_millis(CONNECTING_MS),
+            };
+            let observed = tokio::select! {
+                r = tokio::time::timeout(limit, self.observe(&conn)) => r,
+                _ = stop.cancelled() => return,
+            };
+            if observed.is_err() {
+                self.note_failure(&format!(
+                    "no answer to TIME and INFO within {} ms",
+                    limit.as_millis()
+                ));
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(self.step) => {}
+                _ = stop.cancelled() => return,
+            }
+        }
+    }
+
+    /// One observation: TIME, INFO server and persistence, the record.
+    async fn read(&self, conn: &RedisConn) -> Result<Seen> {
+        let sent_mono_ms = self.mono_ms();
+        let (redis_ms, nodes) = if conn.is_cluster() {
+            let masters = conn::cluster_masters(conn).await?;
+            let mut nodes = Vec::with_capacity(masters.len());
+            for (host, port) in masters {
+                nodes.push(self.node(&host, port)?);
+            }
+            let first = nodes.first().ok_or_else(|| {
+                Error::Redis(redis::RedisError::from((
+                    redis::ErrorKind::ClusterConnectionNotFound,
+                    "the cluster names no master",
+                )))
+            })?;
+            (time_ms(first).await?, nodes)
+        } else {
+            (time_ms(conn).await?, vec![conn.clone()])
+        };
+        let record = self.read_record(conn).await?;
+        let mut run_ids = Vec::with_capacity(nodes.len());
+        let (mut uptime_ms, mut loaded_from_disk) = (None::<u64>, false);
+        let mut info_known = true;
+        for node in &nodes {
+            match self.info(node).await? {
+                Some(info) => {
+                    match info.run_id {
+                        Some(id) => run_ids.push(id),
+                        None => info_known = false,
+                    }
+                    if let Some(up) = info.uptime_ms {
+                        uptime_ms = Some(uptime_ms.map_or(up, |u| u.min(up)));
+                    }
+                    loaded_from_disk |= info.loaded_from_disk;
+                }
+                None => info_known = false,
+            }
+        }
+        run_ids.sort();
+        Ok(Seen {
+            redis_ms,
+            sent_mono_ms,
+            received_mono_ms: self.mono_ms(),
+            local_ms: crate::now_ms(),
+            run_ids: info_known.then(|| run_ids.join(",")),
+            uptime_ms,
+            loaded_from_disk,
+            record,
+        })
+    }
+
+    /// A connection to one master of the cluster, kept for the next observations.
+    fn node(&self, host: &str, port: u16) -> Result<RedisConn> {
+        let mut nodes = self.nodes.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = nodes.get(&(host.to_owned(), port)) {
+            return Ok(c.clone());
+        }
+        let c = conn::shared(&conn::node_client(&self.settings, host, port)?)?;
+        nodes.insert((host.to_owned(), port), c.clone());
+        Ok(c)
+    }
+
+    /// INFO server and persistence of one node; `None` where INFO is refused (logged
+    /// once: restarts are then seen by failed calls only).
+    async fn info(&self, node: &RedisConn) -> Result<Option<NodeInfo>> {
+        let mut pipe = redis::pipe();
+        pipe.cmd("INFO")
+            .arg("server")
+            .cmd("INFO")
+            .arg("persistence");
+        match pipe
+            .query_async::<(String, String)>(&mut node.clone())
+            .await
+        {
+            Ok((server, persistence)) => Ok(Some(NodeInfo::parse(&server, &persistence))),
+            Err(e) if crate::error::redis_error_is_retryable(&e) => Err(e.into()),
+            Err(e) => {
+                if !self.info_refused.swap(true, Ordering::Relaxed) {
+                    warn!(error = %e, "INFO is refused: Redis restarts and failovers are seen only through failed calls");
+                }
+                Ok(None)
+            }
+        }
+    }
+
+    /// `janitor:{guard}:reachable`, or `None` if it does not exist (or may not be read: then this
+    /// process's own view stands in for it, logged once).
+    async fn read_record(&self, conn: &RedisConn) -> Result<Option<Record>> {
+        let mut pipe = redis::pipe();
+        pipe.cmd("EXISTS")
+            .arg(&self.key)
+            .cmd("HGET")
+            .arg(&self.key)
+            .arg("run_ids")
+            .cmd("HGET")
+            .arg(&self.key)
+            .arg("reachable_since_ms");
+        match pipe
+            .query_async::<(bool, Option<String>, Option<u64>)>(&mut conn.clone())
+            .await
+        {
+            Ok((false, _, _)) => Ok(None),
+            Ok((true, run_ids, since)) => Ok(Some(Record {
+                run_ids,
+                reachable_since_ms: since.unwrap_or(0),
+            })),
+            Err(e) if crate::error::redis_error_is_retryable(&e) => Err(e.into()),
+            Err(e) => {
+                self.refused(&e);
+                let t = self.tracker();
+                Ok(Some(Record {
+                    run_ids: t.last.as_ref().and_then(|l| l.run_ids.clone()),
+                    reachable_since_ms: t.reachable_since_ms,
+                }))
+            }
+        }
+    }
+
+    fn refused(&self, e: &redis::RedisError) {
+        if !self.record_refused.swap(true, Ordering::Relaxed) {
+            warn!(key = %self.key, error = %e, "the reconciler may not use its guard record: an outage it sees holds its own verdicts only, and a restart is seen through failed calls");
+        }
+    }
+
+    async fn store(&self, conn: &RedisConn, record: &Record) -> Result<()> {
+        let stored = STORE
+            .key(&self.key)
+            .arg(record.run_ids.as_deref().unwrap_or(""))
+            .arg(record.reachable_since_ms)
+            .invoke_async::<u64>(&mut conn.clone())
+            .await;
+        match stored {
+            Ok(since) => {
+                self.tracker().stored(since);
+                Ok(())
+            }
+            Err(e) if crate::error::redis_error_is_retryable(&e) => {
+                let e = Error::from(e);
+                self.failed(&e);
+                Err(e)
+            }
+            Err(e) => {
+                self.refused(&e);
+                Ok(())
+            }
+        }
+    }
+}
+
+/// What `janitor:{guard}:reachable` says now, for `status`: the start of the current stretch of
+/// reachable time (Redis time, unix ms; 0 for no outage known), or `None` when no
+/// reconciler has written it (or it may not be read).
+pub async fn recorded_since(conn: &RedisConn, key: &str) -> Option<u64> {
+    let record: HashMap<String, String> = redis::cmd("HGETALL")
+        .arg(key)
+        .query_async(&mut conn.clone())
+        .await
+        .ok()?;
+    record.get("reachable_since_ms")?.parse().ok()
+}
+
+/// Redis's TIME in unix ms.
+async fn time_ms(conn: &RedisConn) -> Result<u64> {
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(&mut conn.clone()).await?;
+    Ok(secs * 1000 + micros / 1000)
+}
+
+/// What the guard reads of INFO.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct NodeInfo {
+    pub run_id: Option<String>,
+    pub uptime_ms: Option<u64>,
+    /// Keys loaded from an RDB at start (`rdb_last_load_keys_loaded` > 0), or AOF on
+    /// (`aof_enabled:1`: Redis 7.0 counts no keys loaded from an AOF, so a Redis with
+    /// AOF on may have loaded data).
+    pub loaded_from_disk: bool,
+}
+
+impl NodeInfo {
+    pub fn parse(server: &str, persistence: &str) -> Self {
+        let field = |text: &str, name: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+                .map(|v| v.trim().to_owned())
+        };
+        let number = |text: &str, name: &str| field(text, name).and_then(|v| v.parse::<u64>().ok());
+        NodeInfo {
+            run_id: field(server, "run_id").filter(|id| !id.is_empty()),
+            uptime_ms: number(server, "uptime_in_seconds").map(|s| s * 1000),
+            loaded_from_disk: number(persistence, "rdb_last_load_keys_loaded").unwrap_or(0) > 0
+                || number(persistence, "aof_enabled") == Some(1),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GRACE: u64 = 2000;
+
+    /// An observation at Redis time `redis_ms`, sent at monotonic `mono_ms` and answered
+    /// 5 ms later; the local clock agrees with Redis's.
+    fn seen(redis_ms: u64, mono_ms: u64, run_id: &str, record: Option<Record>) -> Seen {
+        Seen {
+            redis_ms,
+            sent_mono_ms: mono_ms,
+            received_mono_ms: mono_ms + 5,
+            local_ms: redis_ms,
+            run_ids: Some(run_id.into()),
+            uptime_ms: Some(3_600_000),
+            loaded_from_disk: false,
+            record,
+        }
+    }
+
+    fn record(run_id: &str, since: u64) -> Option<Record> {
+        Some(Record {
+            run_ids: Some(run_id.into()),
+            reachable_since_ms: since,
+        })
+    }
+
+    const T0: u64 = 1_800_000_000_000;
+
+    #[test]
+    fn a_fresh_redis_without_a_record_holds_nothing() {
+        let mut t = Tracker::new(GRACE, 500);
+        assert_eq!(t.hold(0), Hold::Unreachable, "nothing observed yet");
+        let out = t.observed(seen(T0, 0, "a", None), 0);
+        assert_eq!(t.hold(10), Hold::Ready);
+        assert_eq!(out.store, record("a", 0), "the run_id is recorded");
+        assert!(!out.restart && !out.started_recently);
+    }
+
+    #[test]
+    fn failed_calls_hold_verdicts_for_a_grace_after_the_first_success() {
+        let mut t = Tracker::new(GRACE, 500);
+        t.observed(seen(T0, 0, "a", record("a", 0)), 0);
+        assert!(t.failed(), "the first failure starts an outage");
+        assert!(!t.failed(), "the next ones are the same outage");
+        assert_eq!(t.hold(100), Hold::Unreachable);
+        // Redis answers again 5 s later.
+        let before = t.failures();
+        let out = t.observed(seen(T0 + 5000, 5000, "a", record("a", 0)), before);
+        assert!(out.after_failures);
+        assert_eq!(t.reachable_since_ms(), T0 + 5000);
+        assert_eq!(t.hold(5005 + 1500), Hold::Waiting { remaining_ms: 500 });
+        assert_eq!(t.hold(5005 + 2000), Hold::Ready);
+        assert_eq!(out.store, record("a", T0 + 5000), "shared with the others");
+    }
+
+    #[test]
+    fn a_failure_during_an_observation_keeps_the_hold() {
+        let mut t = Tracker::new(GRACE, 500);
+        t.observed(seen(T0, 0, "a", record("a", 0)), 0);
+        let before = t.failures();
+        t.failed(); // while the observation was on its way
+        t.observed(seen(T0 + 100, 100, "a", record("a", 0)), before);
+        assert_eq!(t.hold(200), Hold::Unreachable);
+    }
+
+    #[test]
+    fn another_run_id_is_a_restart_or_a_failover() {
+        let mut t = Tracker::new(GRACE, 500);
+        // Recorded by another reconciler before a restart that reloaded the record.
+        let out = t.observed(seen(T0, 0, "b", record("a", 0)), 0);
+        assert!(out.restart);
+        assert_eq!(t.hold(1000), Hold::Waiting { remaining_ms: 1005 });
+        assert_eq!(out.store, record("b", T0));
+        // Seen by this process: the record already updated by another replica.
+        let mut t = Tracker::new(GRACE, 500);
+        t.observed(seen(T0, 0, "a", record("a", 0)), 0);
+        let out = t.observed(seen(T0 + 1000, 1000, "b", record("b", T0 + 900)), 0);
+        assert!(out.restart);
+        assert_eq!(t.reachable_since_ms(), T0 + 1000);
+    }
+
+    #[test]
+    fn an_outage_another_reconciler_recorded_holds_this_one_too() {
+        let mut t = Tracker::new(GRACE, 500);
+        t.observed(seen(T0, 0, "a", record("a", 0)), 0);
+        let out = t.observed(seen(T0 + 1000, 1000, "a", record("a", T0 + 800)), 0);
+        assert!(out.adopted && !out.restart);
+        assert_eq!(t.hold(1005), Hold::Waiting { remaining_ms: 1800 });
+        assert_eq!(out.store, None, "nothing to change");
+    }
+
+    #[test]
+    fn a_first_run_on_a_redis_that_loaded_data_counts_from_its_start() {
+        let mut t = Tracker::new(GRACE, 500);
+        let mut s = seen(T0, 0, "a", None);
+        s.loaded_from_disk = true;
+        s.uptime_ms = Some(1000);
+        let out = t.observed(s.clone(), 0);
+        assert!(out.started_recently);
+        assert_eq!(t.reachable_since_ms(), T0 - 1000);
+        assert_eq!(t.hold(5), Hold::Waiting { remaining_ms: 1000 });
+        // Up for longer than the grace: nothing to wait for.
+        let mut t = Tracker::new(GRACE, 500);
+        s.uptime_ms = Some(GRACE);
+        t.observed(s.clone(), 0);
+        assert_eq!(t.hold(5), Hold::Ready);
+        // Nothing loaded (a fresh Redis): nothing to wait for.
+        let mut t = Tracker::new(GRACE, 500);
+        s.uptime_ms = Some(1000);
+        s.loaded_from_disk = false;
+        t.observed(s, 0);
+        assert_eq!(t.hold(5), Hold::Ready);
+    }
+
+    #[test]
+    fn a_step_of_redis_clock_is_a_clock_jump() {
+        let mut t = Tracker::new(GRACE, 500);
+        assert_eq!(t.tolerance_ms(), 500);
+        t.observed(seen(T0, 0, "a", record("a", 0)), 0);
+        // 1 s of monotonic time; Redis's clock moved 1 s + the tolerance + the round trip:
+        // within the bound (from the first send to the second reply).
+        let mut s = seen(T0 + 1000 + 500 + 5, 1000, "a", record("a", 0));
+        s.local_ms = T0 + 1005;
+        let out = t.observed(s, 0);
+        assert!(!out.clock_jump, "{out:?}");
+        assert_eq!(t.hold(1010), Hold::Ready);
+        // Then 10 s at once, in 1 s of monotonic time.
+        let mut s = seen(T0 + 12_505, 2000, "a", record("a", 0));
+        s.local_ms = T0 + 2005;
+        let out = t.observed(s, 0);
+        assert!(out.clock_jump);
+        assert_eq!(t.reachable_since_ms(), T0 + 12_505);
+        assert_eq!(t.hold(2005 + 1000), Hold::Waiting { remaining_ms: 1000 });
+        assert_eq!(t.hold(2005 + 2000), Hold::Ready);
+    }
+
+    #[test]
+    fn a_step_of_the_reconcilers_own_clock_is_a_clock_jump() {
+        let mut t = Tracker::new(GRACE, 500);
+        t.observed(seen(T0, 0, "a", record("a", 0)), 0);
+        let mut s = seen(T0 + 1000, 1000, "a", record("a", 0));
+        s.local_ms = T0 + 60_000;
+        assert!(t.observed(s, 0).clock_jump);
+    }
+
+    #[test]
+    fn a_first_observation_may_take_a_connection_longer() {
+        let mut t = Tracker::new(GRACE, 500);
+        let mut s = seen(T0, 0, "a", None);
+        s.received_mono_ms = 1500;
+        assert!(!t.observed(s, 0).slow);
+        assert_eq!(t.hold(1500), Hold::Ready);
+    }
+
+    #[test]
+    fn a_slow_reply_is_no_clock_jump_but_a_long_silence() {
+        let mut t = Tracker::new(GRACE, 500);
+        t.observed(seen(T0, 0, "a", record("a", 0)), 0);
+        // Redis paused 5 s while the observation waited: its clock moved with the
+        // monotonic one, but it did not answer.
+        let mut s = seen(T0 + 5000, 100, "a", record("a", 0));
+        s.received_mono_ms = 5100;
+        s.local_ms = T0 + 5100;
+        let out = t.observed(s, 0);
+        assert!(out.slow && !out.clock_jump, "{out:?}");
+        assert_eq!(t.hold(5100), Hold::Waiting { remaining_ms: 2000 });
+    }
+
+    #[test]
+    fn a_clock_stepped_back_waits_a_grace_from_now_not_from_the_future() {
+        let mut t = Tracker::new(GRACE, 500);
+        // The record says an outage at T0 + 1 h: Redis's clock has since gone back.
+        let out = t.observed(seen(T0, 0, "a", record("a", T0 + 3_600_000)), 0);
+        assert_eq!(t.hold(5), Hold::Waiting { remaining_ms: 2000 });
+        assert_eq!(t.hold(2005), Hold::Ready, "not an hour");
+        assert_eq!(out.store, record("a", T0), "the record is set back to now");
+    }
+
+    #[test]
+    fn the_outage_is_over_once_announced_and_its_grace_passed() {
+        let mut t = Tracker::new(GRACE, 500);
+        t.observed(seen(T0, 0, "a", record("a", 0)), 0);
+        assert!(!t.resumed(10));
+        t.failed();
+        let before = t.failures();
+        t.observed(seen(T0 + 1000, 1000, "a", record("a", 0)), before);
+        assert!(!t.resumed(2000));
+        assert!(t.resumed(3005));
+        assert!(!t.resumed(4000), "once");
+    }
+
+    #[test]
+    fn info_gives_the_run_id_uptime_and_loads() {
+        let server = "# Server\r\nredis_version:7.0.15\r\nrun_id:abc123\r\nuptime_in_seconds:7\r\n";
+        let rdb = "# Persistence\r\nloading:0\r\nrdb_last_load_keys_loaded:12\r\naof_enabled:0\r\n";
+        let fresh =
+            "# Persistence\r\nloading:0\r\nrdb_last_load_keys_loaded:0\r\naof_enabled:0\r\n";
+        let aof = "# Persistence\r\nrdb_last_load_keys_loaded:0\r\naof_enabled:1\r\n";
+        let info = NodeInfo::parse(server, rdb);
+        assert_eq!(info.run_id.as_deref(), Some("abc123"));
+        assert_eq!(info.uptime_ms, Some(7000));
+        assert!(info.loaded_from_disk);
+        assert!(!NodeInfo::parse(server, fresh).loaded_from_disk);
+        assert!(NodeInfo::parse(server, aof).loaded_from_disk);
+        assert_eq!(NodeInfo::parse("", "").run_id, None);
+    }
+
+    #[test]
+    fn only_errors_of_an_absent_redis_are_outages() {
+        let reply = |line: &str| {
+            Error::Redis(
+                redis::parse_redis_value(format!("-{line}\r\n").as_bytes())
+                    .unwrap()
+                    .extract_error()
+                    .unwrap_err(),
+            )
+        };
+        for outage in [
+            "LOADING Redis is loading the dataset in memory",
+            "BUSY Redis is busy running a script.",
+            "MASTERDOWN Link with MASTER is down",
+            "TRYAGAIN Multiple keys request during rehashing of slot",
+            "CLUSTERDOWN The cluster is down",
+            "READONLY You can't write against a read only replica.",
+        ] {
+            assert!(is_outage(&reply(outage)), "{outage}");
+        }
+        let refused: redis::RedisError =
+            std::io::Error::from(std::io::ErrorKind::ConnectionRefused).into();
+        assert!(is_outage(&Error::Redis(refused)));
+        for not in [
+            "MOVED 3999 127.0.0.1:6381",
+            "NOSCRIPT No matching script.",
+            "WRONGTYPE Operation against a key holding the wrong kind of value",
+        ] {
+            assert!(!is_outage(&reply(not)), "{not}");
+        }
+        assert!(!is_outage(&Error::Cancelled));
+    }
+}
