@@ -198,8 +198,8 @@ impl Keys {
         format!("{}janitor:{{guard}}:held", self.prefix)
     }
 
-    /// Disputed verdicts the guard let through within its window (ZSet: member = stream
-    /// entry id, score = unix ms), the budget of `guard_disputed_limit`.
+    /// Servers whose disputed verdict the guard let through within its window (ZSet:
+    /// member = server id, score = unix ms), the budget of `guard_disputed_limit`.
     pub fn guard_disputed(&self) -> String {
         format!("{}janitor:{{guard}}:disputed", self.prefix)
     }

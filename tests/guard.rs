@@ -484,3 +484,156 @@ async fn the_sweep_deletes_nothing_on_silence_during_a_mass_silence() {
     assert_eq!(report.sweep.entries_removed, 0, "{report}");
     assert_eq!(entries_left(&f, &fleet.servers).await, 10 * USERS);
 }
+
+/// Servers seeded with users and a standing liveness key, not heartbeating.
+async fn quiet_fleet(f: &Fixture, name: &str, n: usize) -> Vec<ServerId> {
+    let mut out = Vec::new();
+    for i in 0..n {
+        let s = server(&format!("{name}-{i}#1"));
+        f.seed(&s, USERS).await;
+        out.push(s);
+    }
+    out
+}
+
+/// `servers` fell silent `ago_ms` ago: liveness keys gone, last heartbeats then.
+async fn silent_since(f: &Fixture, servers: &[ServerId], ago_ms: u64) {
+    let at = registry_janitor::now_ms() - ago_ms;
+    for s in servers {
+        let _: () = f.query(redis::cmd("DEL").arg(f.keys.server_alive(s))).await;
+        let _: () = f
+            .query(
+                redis::cmd("ZADD")
+                    .arg(f.keys.servers())
+                    .arg(at)
+                    .arg(s.as_str()),
+            )
+            .await;
+    }
+}
+
+/// A silence longer than `guard_window_ms` (but shorter than the hold's grace) is still
+/// a mass silence: the census looks back as far as the hold's grace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_silence_longer_than_the_window_is_still_a_mass_silence() {
+    let f = Fixture::with(Layout::Hash, guard_settings);
+    let window = f.settings.guard_window();
+    assert!(window < f.settings.guard_hold_grace());
+    let all = quiet_fleet(&f, "cut", 30).await;
+    let cut = &all[..20];
+    silent_since(&f, cut, window + 10_000).await;
+    let w = spawn_worker(&f.settings);
+    verdict(&f.conn, &f.keys, &cut[0]).await;
+    wait_until(
+        &f.redis,
+        "the verdict held",
+        Duration::from_secs(20),
+        || async { held(&f).await.len() == 1 },
+    )
+    .await;
+    assert_eq!(held(&f).await[0].doubt, Doubt::MassSilence);
+    assert!(fenced(&f, &cut[..1]).await.is_empty());
+    assert_eq!(entries_left(&f, &cut[..1]).await, USERS);
+    w.stop().await;
+}
+
+/// The hold's grace counts from the hold's start: after a gap longer than the grace
+/// (silent servers whose last heartbeat is older than it), a new hold still waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_new_hold_waits_its_grace_even_after_a_long_gap() {
+    let f = Fixture::with(Layout::Hash, |s| {
+        guard_settings(s);
+        s.guard_hold_grace_ms = 60_000;
+    });
+    let all = quiet_fleet(&f, "long", 30).await;
+    let cut = &all[..20];
+    silent_since(&f, cut, 90_000).await;
+    let w = spawn_worker(&f.settings);
+    verdict(&f.conn, &f.keys, &cut[0]).await;
+    wait_until(
+        &f.redis,
+        "the verdict held",
+        Duration::from_secs(20),
+        || async { held(&f).await.len() == 1 },
+    )
+    .await;
+    // Several upkeep rounds later: still held, nothing fenced.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(held(&f).await.len(), 1);
+    assert!(fenced(&f, &cut[..1]).await.is_empty());
+    w.stop().await;
+}
+
+/// A held verdict whose stream entry is deleted (XDEL by someone) is not lost: it is
+/// written to the dead-letter stream from the hold, with the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_held_verdict_whose_entry_is_deleted_is_dead_lettered() {
+    let f = Fixture::with(Layout::Hash, |s| {
+        guard_settings(s);
+        s.guard_disputed_limit = 0;
+    });
+    let all = quiet_fleet(&f, "del", 1).await;
+    let w = spawn_worker(&f.settings);
+    let id = verdict(&f.conn, &f.keys, &all[0]).await;
+    wait_until(&f.redis, "held", Duration::from_secs(20), || async {
+        held(&f).await.len() == 1
+    })
+    .await;
+    let _: i64 = f
+        .query(redis::cmd("XDEL").arg(f.keys.events()).arg(&id))
+        .await;
+    wait_until(
+        &f.redis,
+        "the hold over",
+        Duration::from_secs(20),
+        || async { held(&f).await.is_empty() },
+    )
+    .await;
+    let letters = f.dead_letters().await;
+    assert_eq!(letters.len(), 1);
+    let error = String::from_utf8_lossy(letters[0].field("error").unwrap()).into_owned();
+    assert!(error.contains("deleted from the stream"), "{error}");
+    let payload = letters[0].field("payload").unwrap();
+    let (event, _) = ServerDead::decode(payload, 64 * 1024).unwrap();
+    assert_eq!(event.server_id, all[0].as_str());
+    assert!(fenced(&f, &all).await.is_empty());
+    w.stop().await;
+}
+
+/// While disputed verdicts are held, the disputed budget does not refill: a new disputed
+/// verdict after the window rolled over is held too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn no_disputed_verdict_goes_ahead_while_others_are_held() {
+    let f = Fixture::with(Layout::Hash, guard_settings);
+    let limit = f.settings.guard_disputed_limit as usize;
+    let all = quiet_fleet(&f, "mon", limit + 7).await;
+    let w = spawn_worker(&f.settings);
+    for s in &all[..limit + 6] {
+        verdict(&f.conn, &f.keys, s).await;
+    }
+    wait_until(
+        &f.redis,
+        "the limit fenced, 6 held",
+        Duration::from_secs(30),
+        || async { held(&f).await.len() == 6 },
+    )
+    .await;
+    // The window rolls over: the budget's record ages out.
+    let _: () = f
+        .query(redis::cmd("DEL").arg(f.keys.guard_disputed()))
+        .await;
+    let last = &all[limit + 6];
+    verdict(&f.conn, &f.keys, last).await;
+    wait_until(
+        &f.redis,
+        "the new verdict decided",
+        Duration::from_secs(20),
+        || async {
+            !fenced(&f, std::slice::from_ref(last)).await.is_empty() || held(&f).await.len() == 7
+        },
+    )
+    .await;
+    assert!(fenced(&f, std::slice::from_ref(last)).await.is_empty());
+    assert_eq!(fenced(&f, &all).await.len(), limit);
+    w.stop().await;
+}

@@ -24,7 +24,7 @@ use std::{
 };
 
 use serde::{Deserialize, Serialize};
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::{
     config::Settings,
@@ -81,6 +81,8 @@ pub enum HoldState {
     /// Let go (by the hold's grace or an operator): the next worker to take the entry
     /// proceeds with it.
     Released,
+    /// An operator is discarding it (to the dead-letter stream): stays parked.
+    Discarding,
 }
 
 /// One held verdict, as recorded in `janitor:{guard}:held` and shown by `status` and
@@ -178,7 +180,10 @@ impl Guard {
                 return Ok(census);
             }
         }
-        let census = take_census(conn, &self.keys, self.window_ms).await?;
+        // A silence that has lasted longer than the window still counts until its
+        // verdicts may proceed anyway (the hold's grace).
+        let window = self.window_ms.max(self.hold_grace_ms);
+        let census = take_census(conn, &self.keys, window).await?;
         *self.census.lock().expect("census lock") = Some((Instant::now(), census));
         Ok(census)
     }
@@ -315,53 +320,88 @@ impl Guard {
     pub async fn upkeep(&self, conn: &RedisConn) -> Result<Upkeep> {
         let mut report = Upkeep::default();
         let holds = list(conn, &self.keys).await?;
-        let now = crate::now_ms();
         for hold in holds {
-            let Some((owner, idle)) = pending(conn, &self.keys, &hold.entry).await? else {
-                // Acknowledged (cleaned, or dropped by another worker) or trimmed.
-                forget(conn, &self.keys, &hold.server_id, &hold.entry).await?;
-                continue;
-            };
-            if hold.state == HoldState::Released {
-                // Not yet taken: make sure it looks idle enough for a takeover.
-                if owner == HELD_CONSUMER && idle < self.claim_min_idle_ms {
-                    park(conn, &self.keys, &hold.entry, self.claim_min_idle_ms).await?;
+            // One hold's failure (a transient state, a lost connection) never keeps the
+            // others from their upkeep: it is retried next round.
+            match self.keep(conn, &hold, &mut report).await {
+                Ok(()) => {}
+                Err(e) => {
+                    report.held += 1;
+                    debug!(server_id = %hold.server_id, error = %e, "guard upkeep of a hold failed; next round");
                 }
-                report.held += 1;
-                continue;
             }
-            let Ok(server) = ServerId::parse(&hold.server_id) else {
-                continue;
-            };
-            let (alive, score) = liveness(conn, &self.keys, &server).await?;
+        }
+        Ok(report)
+    }
+
+    /// The upkeep of one hold (see [`Guard::upkeep`]).
+    async fn keep(&self, conn: &RedisConn, hold: &Hold, report: &mut Upkeep) -> Result<()> {
+        let now = crate::now_ms();
+        let Some((owner, idle)) = pending(conn, &self.keys, &hold.entry).await? else {
+            if hold.state == HoldState::Held && !entry_exists(conn, &self.keys, &hold.entry).await?
+            {
+                // Deleted from the stream while held (XDEL, or a trim by another
+                // producer): the verdict itself must not go with it.
+                dead_letter_lost(conn, &self.keys, hold).await?;
+            }
+            // Acknowledged (cleaned, dropped, discarded) or gone: the hold is over.
+            forget(conn, &self.keys, &hold.server_id, &hold.entry).await?;
+            return Ok(());
+        };
+        report.held += 1;
+        if hold.state == HoldState::Released {
+            // Not yet taken: make sure it looks idle enough for a takeover.
+            if owner == HELD_CONSUMER && idle < self.claim_min_idle_ms {
+                park(conn, &self.keys, &hold.entry, self.claim_min_idle_ms).await?;
+            }
+            return Ok(());
+        }
+        let Ok(server) = ServerId::parse(&hold.server_id) else {
+            return Ok(());
+        };
+        let (alive, score) = liveness(conn, &self.keys, &server).await?;
+        if hold.state == HoldState::Held {
             if alive && hold.doubt == Doubt::MassSilence {
                 stream::ack(conn, &self.keys, &hold.entry).await?;
+                report.held -= 1;
                 report.dropped += 1;
                 info!(
                     server_id = %hold.server_id, entry = %hold.entry, event_id = %hold.event_id,
                     "guard: held verdict dropped, its server heartbeats again"
                 );
                 forget(conn, &self.keys, &hold.server_id, &hold.entry).await?;
-                continue;
+                return Ok(());
             }
-            let silent_since = score.map_or(hold.since_ms, |s| s as u64);
-            if !alive && now.saturating_sub(silent_since) >= self.hold_grace_ms {
-                release(conn, &self.keys, &hold, self.claim_min_idle_ms).await?;
-                report.released += 1;
-                info!(
-                    server_id = %hold.server_id, entry = %hold.entry, event_id = %hold.event_id,
-                    silent_ms = now.saturating_sub(silent_since),
-                    "guard: held verdict proceeds, its server stayed silent past guard_hold_grace_ms"
-                );
-                report.held += 1;
-                continue;
-            }
-            report.held += 1;
-            if owner != HELD_CONSUMER || idle >= self.claim_min_idle_ms / 3 {
-                park(conn, &self.keys, &hold.entry, 0).await?;
+            // A disputed verdict whose server has since fallen silent, with no mass
+            // silence around it: monitoring was right, nothing is in doubt any more.
+            let settled = !alive
+                && hold.doubt == Doubt::Disputed
+                && !self.is_mass_silence(self.census(conn).await?);
+            // The hold's grace counts from its start too: after a long gap (Redis
+            // unreachable for longer than the grace), a fresh hold still waits it out.
+            let silent_since = score.map_or(hold.since_ms, |s| (s as u64).max(hold.since_ms));
+            let waited = !alive && now.saturating_sub(silent_since) >= self.hold_grace_ms;
+            if settled || waited {
+                if release(conn, &self.keys, hold, self.claim_min_idle_ms).await? {
+                    report.released += 1;
+                    info!(
+                        server_id = %hold.server_id, entry = %hold.entry, event_id = %hold.event_id,
+                        silent_ms = now.saturating_sub(silent_since),
+                        "guard: held verdict proceeds, {}",
+                        if settled {
+                            "its server has fallen silent too, with no mass silence around it"
+                        } else {
+                            "its server stayed silent past guard_hold_grace_ms"
+                        }
+                    );
+                }
+                return Ok(());
             }
         }
-        Ok(report)
+        if owner != HELD_CONSUMER || idle >= self.claim_min_idle_ms / 3 {
+            park(conn, &self.keys, &hold.entry, 0).await?;
+        }
+        Ok(())
     }
 }
 
@@ -395,6 +435,7 @@ pub async fn release(
         .arg(&hold.server_id)
         .arg(&hold.entry)
         .arg("released")
+        .arg("held")
         .invoke_async(&mut conn.clone())
         .await?;
     if done == 1 {
@@ -407,12 +448,21 @@ pub async fn release(
 /// stream with `why` (replayable), and the hold is forgotten. False if the hold is no
 /// longer the one of this entry.
 pub async fn discard(conn: &RedisConn, keys: &Keys, hold: &Hold, why: &str) -> Result<bool> {
-    let current = list(conn, keys).await?;
-    if !current
-        .iter()
-        .any(|h| h.server_id == hold.server_id && h.entry == hold.entry)
-    {
-        return Ok(false);
+    // Held -> discarding, atomically: a hold released meanwhile (a worker may be fencing
+    // its server now) is not discarded. A discard that stopped half-way is finished by
+    // the next one.
+    if hold.state != HoldState::Discarding {
+        let (done, _): (i64, i64) = FORGET
+            .key(keys.guard_held())
+            .arg(&hold.server_id)
+            .arg(&hold.entry)
+            .arg("discarding")
+            .arg("held")
+            .invoke_async(&mut conn.clone())
+            .await?;
+        if done == 0 {
+            return Ok(false);
+        }
     }
     let entries: redis::Value = redis::cmd("XRANGE")
         .arg(keys.events())
@@ -444,6 +494,7 @@ async fn forget(conn: &RedisConn, keys: &Keys, server: &str, entry: &str) -> Res
         .arg(server)
         .arg(entry)
         .arg("")
+        .arg("")
         .invoke_async(&mut conn.clone())
         .await?;
     if done == 1 && left == 0 {
@@ -462,6 +513,45 @@ async fn park(conn: &RedisConn, keys: &Keys, entry: &str, idle_ms: u64) -> Resul
         .invoke_async(&mut conn.clone())
         .await?;
     Ok(parked == 1)
+}
+
+/// Whether the stream still holds `entry`.
+async fn entry_exists(conn: &RedisConn, keys: &Keys, entry: &str) -> Result<bool> {
+    let found: Vec<redis::Value> = redis::cmd("XRANGE")
+        .arg(keys.events())
+        .arg(entry)
+        .arg(entry)
+        .query_async(&mut conn.clone())
+        .await?;
+    Ok(!found.is_empty())
+}
+
+/// A held verdict whose stream entry was deleted: written to the dead-letter stream from
+/// what the hold recorded, so that it can be replayed.
+async fn dead_letter_lost(conn: &RedisConn, keys: &Keys, hold: &Hold) -> Result<()> {
+    let event = ServerDead {
+        v: crate::event::SCHEMA_VERSION as i64,
+        event_id: hold.event_id.clone(),
+        server_id: hold.server_id.clone(),
+        detected_at_ms: hold.since_ms,
+        reason: hold.reason.clone(),
+        source: hold.source.clone(),
+    };
+    let entry = crate::event::Entry {
+        id: hold.entry.clone(),
+        fields: vec![
+            (b"type".to_vec(), b"server.dead".to_vec()),
+            (b"payload".to_vec(), event.encode()),
+        ],
+    };
+    let why = format!(
+        "held by the guard ({}: {}), and its entry was deleted from the stream meanwhile",
+        hold.doubt.as_str(),
+        hold.detail
+    );
+    stream::dead_letter(conn, keys, &entry, &why).await?;
+    warn!(server_id = %hold.server_id, entry = %hold.entry, "guard: a held verdict's entry was deleted from the stream; dead-lettered from the hold");
+    Ok(())
 }
 
 /// The consumer holding `entry` and its idle time (ms), or None if it is not pending.

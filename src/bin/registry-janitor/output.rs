@@ -80,6 +80,7 @@ impl fmt::Display for HoldLine<'_> {
         let state = match h.state {
             HoldState::Held => "held",
             HoldState::Released => "released",
+            HoldState::Discarding => "discarding",
         };
         write!(
             f,
