@@ -1,5 +1,6 @@
 //! `bench --zone D`: a zone outage. D connection servers of `--zone-users` users each die
-//! at once, their D `server.dead` events are published together (one pipeline), and
+//! at once (one zone of three: 2 x D more servers stay alive, so the guard sees a zone
+//! outage, not a mass silence), their D `server.dead` events are published together (one pipeline), and
 //! `--workers` worker processes clean them, while a probe in its own process
 //! (`registry-janitor bench-probe`) issues one routing lookup per millisecond of live
 //! users. Measured:
@@ -592,10 +593,17 @@ impl ZoneScene {
 
     async fn seed(&self, conn: &RedisConn) -> Result<()> {
         self.registry.heartbeat(conn, &self.live, 3_600_000).await?;
+        // The rest of the fleet, alive: the zone is one third of it, as the guard sees a
+        // zone outage (every dead server heartbeated until now, none has a liveness key).
+        for i in 0..2 * self.dead.len() {
+            let peer = ServerId::parse(&format!("zone-peer-{i}#1")).expect("valid");
+            self.registry.heartbeat(conn, &peer, 3_600_000).await?;
+        }
+        let now = registry_janitor::now_ms();
         for (i, dead) in self.dead.iter().enumerate() {
             let _: () = redis::cmd("ZADD")
                 .arg(self.keys.servers())
-                .arg(1)
+                .arg(now)
                 .arg(dead.as_str())
                 .query_async(&mut conn.clone())
                 .await?;
