@@ -159,6 +159,9 @@ pub struct Reconciler {
     hint_permits: Arc<tokio::sync::Semaphore>,
     /// Servers being checked because of a hint: a second hint for one is dropped.
     hinted: Mutex<BTreeSet<ServerId>>,
+    /// The guard's view of the fleet: the drift sweep deletes nothing on silence while a
+    /// verdict is held or a mass silence lasts.
+    guard: crate::guard::Guard,
     /// Holds verdicts on silent servers until Redis has been reachable for a full grace
     /// after an outage; told of every failed call.
     reach: Arc<Reachable>,
@@ -187,6 +190,7 @@ impl Reconciler {
             failing: Failing::new(),
             hint_permits: Arc::new(tokio::sync::Semaphore::new(HINT_CHECKS)),
             hinted: Mutex::default(),
+            guard: crate::guard::Guard::new(Keys::for_settings(settings), settings),
             reach: Arc::new(Reachable::new(settings, metrics.clone())),
             metrics,
         })

@@ -22,19 +22,25 @@ static SWEEP_REVERSE: LazyLock<redis::Script> =
     LazyLock::new(|| crate::forward::with_prelude(include_str!("sweep_reverse.lua")));
 
 impl Reconciler {
-    /// The cutoff of the forward sweep: an owner known to `servers`, with no liveness
-    /// key and no heartbeat newer than this, is dead. Silence alone is weaker evidence
-    /// than a verdict: with the guard on, the sweep waits as long as a held verdict would
-    /// (`guard_hold_grace_ms`), so that neither a mass silence nor a disputed server loses
-    /// entries to the sweep before the guard has let its verdict go. Owners unknown to
-    /// `servers` and fenced owners are dead whatever the cutoff.
-    pub(super) fn sweep_cutoff_ms(&self) -> u64 {
-        let silent_for = if self.settings.guard {
-            self.settings.guard_hold_grace()
-        } else {
-            self.settings.heartbeat_grace_ms
-        };
-        crate::now_ms().saturating_sub(silent_for)
+    /// The cutoff of the forward sweep: an owner with no liveness key and no heartbeat
+    /// newer than this is dead. While the guard holds verdicts or sees a mass silence
+    /// (see [`crate::guard`]), silence proves nothing: the cutoff is 0, and only entries
+    /// of fenced owners and of owners unknown to `servers` go.
+    pub(super) async fn sweep_cutoff_ms(&self) -> Result<u64> {
+        if self.settings.guard {
+            let held: u64 = redis::cmd("HLEN")
+                .arg(self.keys.guard_held())
+                .query_async(&mut self.conn.clone())
+                .await?;
+            if held > 0
+                || self
+                    .guard
+                    .is_mass_silence(self.guard.census(&self.conn).await?)
+            {
+                return Ok(0);
+            }
+        }
+        Ok(self.cutoff_ms())
     }
 
     /// One step of the forward sweep; `cursor` None resumes from the stored cursor.
@@ -54,7 +60,7 @@ impl Reconciler {
         call.arg(self.settings.layout.as_str())
             .arg(self.settings.sweep_count)
             .arg(self.keys.prefix())
-            .arg(self.sweep_cutoff_ms())
+            .arg(self.sweep_cutoff_ms().await?)
             .arg(pattern)
             .arg(cursor.unwrap_or(""))
             .arg(if hold.is_ready() { "0" } else { "1" });

@@ -274,7 +274,7 @@ impl Reconciler {
         let fenced: Vec<bool> = conn::each_in_flight(&self.conn, fences).await?;
         // Read after the owners: an outage meanwhile holds these verdicts too.
         let holding = !self.hold().await?.is_ready();
-        let cutoff = self.sweep_cutoff_ms();
+        let cutoff = self.sweep_cutoff_ms().await?;
         let mut removed = 0;
         let states = alive.into_iter().zip(scores).zip(fenced);
         for ((owner, users), ((has_key, score), fenced)) in by_owner.iter().zip(states) {
