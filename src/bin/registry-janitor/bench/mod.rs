@@ -17,7 +17,7 @@
 //! During each run a separate connection issues a routing lookup (HGET/GET of a live
 //! user) every millisecond; Redis main-thread CPU comes from INFO cpu before and after.
 //!
-//! Fencing (issue 13) adds two measurements ([`route`]):
+//! Fencing adds two measurements ([`route`]):
 //! - route cost: `route_lookups` lookups of random users of a seeded registry whose
 //!   owners are all alive, by `route` (route.lua) and by a plain HGET/GET, a few in
 //!   flight: latency and Redis CPU per lookup of each;

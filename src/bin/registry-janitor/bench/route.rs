@@ -1,4 +1,4 @@
-//! Routing with fences (issue 13): what `route` (route.lua) costs next to a plain HGET or
+//! Routing with fences: what `route` (route.lua) costs next to a plain HGET or
 //! GET of the forward entry ([`route_cost`]), and what each returns while a fenced server
 //! that still looks alive is being cleaned ([`StaleProbes`]).
 
