@@ -1,6 +1,6 @@
 //! Every Redis key, stream and group name the janitor touches, built in one place.
 //!
-//! The layout follows `shared/CONTRACT.md`. Every key carries the `key_prefix` setting so
+//! The layout is the README's "Redis data model". Every key carries the `key_prefix` setting so
 //! that several deployments or test runs can share one Redis:
 //!
 //! | key                        | type   | owner                                   |

@@ -1,7 +1,7 @@
 //! # registry-janitor
 //!
 //! Keeps a real-time system's connection registry in Redis clean after connection
-//! servers die. The data model and the event are fixed by `shared/CONTRACT.md`:
+//! servers die. The data model and the event are specified in the README:
 //!
 //! ```text
 //!  connection server S ── HSET registry <user> S ──────────► registry (Hash)  or user:<user>

@@ -115,21 +115,6 @@ fn original_fields_named_like_the_janitors_are_restored() {
     );
 }
 
-/// The pending-list row of entry `id`: (owner, delivery count), or None once acknowledged.
-async fn pending(f: &Fixture, id: &str) -> Option<(String, u64)> {
-    let rows: Vec<(String, String, u64, u64)> = f
-        .query(
-            redis::cmd("XPENDING")
-                .arg(f.keys.events())
-                .arg(registry_janitor::keys::GROUP)
-                .arg(id)
-                .arg(id)
-                .arg(1),
-        )
-        .await;
-    rows.into_iter().next().map(|(_, owner, _, n)| (owner, n))
-}
-
 /// A dead letter that cannot be written (the dead-letter key holds a String, so XADD fails
 /// with WRONGTYPE) does not acknowledge its entry: it stays pending, is retried, and is
 /// dead-lettered and acknowledged once the key is fixed.
@@ -153,13 +138,15 @@ async fn an_entry_is_acknowledged_only_once_its_dead_letter_is_written() {
         "a second delivery, an acknowledgement, or the worker stopped",
         Duration::from_secs(30),
         || async {
-            let settled = pending(&f, &id).await.is_none_or(|(_, n)| n >= 2);
+            let settled = pending_row(&f.conn, &f.keys, &id)
+                .await
+                .is_none_or(|(_, n)| n >= 2);
             worker.handle.is_finished() || (delivered(&f, &id).await && settled)
         },
     )
     .await;
     assert!(
-        pending(&f, &id).await.is_some(),
+        pending_row(&f.conn, &f.keys, &id).await.is_some(),
         "the entry was acknowledged although its dead letter could not be written"
     );
     let kind: String = f.query(redis::cmd("TYPE").arg(f.keys.dead_letters())).await;
@@ -171,7 +158,7 @@ async fn an_entry_is_acknowledged_only_once_its_dead_letter_is_written() {
     let _: () = f.query(redis::cmd("DEL").arg(f.keys.dead_letters())).await;
     let worker = spawn_worker(&f.settings);
     f.wait_idle().await;
-    assert_eq!(pending(&f, &id).await, None);
+    assert_eq!(pending_row(&f.conn, &f.keys, &id).await, None);
     let letters = f.dead_letters().await;
     assert_eq!(letters.len(), 1);
     assert_eq!(letters[0].field("payload"), Some(JUNK_PAYLOAD));

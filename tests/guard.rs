@@ -136,17 +136,8 @@ async fn entries_left(f: &Fixture, servers: &[ServerId]) -> usize {
 /// Every entry id of `ids` is pending with the guard's consumer.
 async fn all_parked(f: &Fixture, ids: &[String]) -> bool {
     for id in ids {
-        let rows: Vec<(String, String, u64, u64)> = f
-            .query(
-                redis::cmd("XPENDING")
-                    .arg(f.keys.events())
-                    .arg(registry_janitor::keys::GROUP)
-                    .arg(id)
-                    .arg(id)
-                    .arg(1),
-            )
-            .await;
-        if rows.first().map(|r| r.1.as_str()) != Some(HELD_CONSUMER) {
+        let owner = pending_row(&f.conn, &f.keys, id).await.map(|(o, _)| o);
+        if owner.as_deref() != Some(HELD_CONSUMER) {
             return false;
         }
     }
@@ -207,15 +198,7 @@ async fn sixty_disputed_verdicts_fence_at_most_the_limit() {
     assert_eq!(status.held.len(), 60 - limit);
 
     // An operator discards them: dead letters with the reason, nothing fenced or deleted.
-    let out = janitor(&f.settings)
-        .args(["held", "discard", "--all"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    run_ok(janitor(&f.settings).args(["held", "discard", "--all"]));
     assert!(held(&f).await.is_empty());
     let letters = f.dead_letters().await;
     assert_eq!(letters.len(), 60 - limit);
@@ -238,11 +221,7 @@ async fn a_zone_of_one_in_three_is_never_held() {
     let zone: Vec<ServerId> = fleet.servers[..60].to_vec();
     fleet.silence(0..60);
     let w = spawn_worker(&f.settings);
-    let r = Reconciler::new(&f.settings, registry_janitor::metrics::Metrics::new())
-        .await
-        .unwrap();
-    let stop = tokio_util::sync::CancellationToken::new();
-    let reconciler = tokio::spawn(r.run(stop.clone()));
+    let reconciler = RunningReconciler::start(&f.settings);
     wait_until(
         &f.redis,
         "the zone cleaned",
@@ -262,8 +241,7 @@ async fn a_zone_of_one_in_three_is_never_held() {
         120 * USERS,
         "the live servers keep every entry"
     );
-    stop.cancel();
-    reconciler.await.unwrap().unwrap();
+    reconciler.stop().await;
     w.stop().await;
 }
 
@@ -275,11 +253,7 @@ async fn the_whole_fleet_silent_past_grace_then_back_loses_nothing() {
     let f = Fixture::with(Layout::Hash, guard_settings);
     let fleet = Fleet::start(&f, "all", 30).await;
     let w = spawn_worker(&f.settings);
-    let r = Reconciler::new(&f.settings, registry_janitor::metrics::Metrics::new())
-        .await
-        .unwrap();
-    let stop = tokio_util::sync::CancellationToken::new();
-    let reconciler = tokio::spawn(r.run(stop.clone()));
+    let reconciler = RunningReconciler::start(&f.settings);
     fleet.silence(0..30);
     wait_until(
         &f.redis,
@@ -305,8 +279,7 @@ async fn the_whole_fleet_silent_past_grace_then_back_loses_nothing() {
     assert!(fenced(&f, &fleet.servers).await.is_empty());
     assert_eq!(entries_left(&f, &fleet.servers).await, 30 * USERS);
     assert!(f.dead_letters().await.is_empty());
-    stop.cancel();
-    reconciler.await.unwrap().unwrap();
+    reconciler.stop().await;
     w.stop().await;
 }
 
@@ -389,15 +362,7 @@ async fn a_hold_survives_a_worker_restart_and_an_operator_releases_it() {
     .await;
     assert_eq!(entries_left(&f, &fleet.servers).await, 8 * USERS);
 
-    let out = janitor(&f.settings)
-        .args(["held", "release", "--all"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    run_ok(janitor(&f.settings).args(["held", "release", "--all"]));
     wait_until(
         &f.redis,
         "the released verdicts executed",

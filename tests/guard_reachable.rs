@@ -22,8 +22,6 @@ use registry_janitor::{
     error::Error,
     event::ServerId,
     keys::Keys,
-    metrics::Metrics,
-    reconcile::Reconciler,
     registry::Registry,
     testkit::RedisSentinels,
 };
@@ -119,37 +117,12 @@ impl Fleet {
     }
 }
 
-/// An in-process reconciler.
-struct RunningReconciler {
-    stop: CancellationToken,
-    handle: JoinHandle<registry_janitor::Result<()>>,
-    metrics: Metrics,
-}
-
-impl RunningReconciler {
-    fn start(settings: &Settings) -> Self {
-        let metrics = Metrics::new();
-        let stop = CancellationToken::new();
-        let (s, m, token) = (settings.clone(), metrics.clone(), stop.clone());
-        let handle = tokio::spawn(async move { Reconciler::new(&s, m).await?.run(token).await });
-        RunningReconciler {
-            stop,
-            handle,
-            metrics,
-        }
-    }
-
-    fn outages(&self, cause: &str) -> u64 {
-        self.metrics
-            .reconcile_outages
-            .with_label_values(&[cause])
-            .get()
-    }
-
-    async fn stop(self) {
-        self.stop.cancel();
-        self.handle.await.unwrap().unwrap();
-    }
+/// The reconciler's outage counter for `cause`.
+fn outages(r: &RunningReconciler, cause: &str) -> u64 {
+    r.metrics
+        .reconcile_outages
+        .with_label_values(&[cause])
+        .get()
 }
 
 fn live_servers() -> Vec<ServerId> {
@@ -325,11 +298,11 @@ async fn a_redis_pause_longer_than_the_grace_fences_no_live_server() {
         "the crashed server was declared dead {} ms after Redis came back, before a full grace",
         found_ms as i64 - resumed_ms as i64
     );
-    assert!(reconciler.outages("failed_calls") >= 1);
+    assert!(outages(&reconciler, "failed_calls") >= 1);
     eprintln!(
         "crashed server found {} ms after Redis came back (grace {GRACE_MS} ms); outages: failed_calls {}",
         found_ms - resumed_ms,
-        reconciler.outages("failed_calls")
+        outages(&reconciler, "failed_calls")
     );
     reconciler.stop().await;
     worker.stop().await;
@@ -424,17 +397,11 @@ async fn reconcile_once_after_a_restart_waits_for_reachable_time() {
     let redis = redis_with(&["--notify-keyspace-events", "Ex"]);
     let mut f = Fixture::on(redis, Layout::Hash, grace_settings);
     let once = |f: &Fixture| {
-        let out = janitor(&f.settings)
-            .env("JANITOR_HEARTBEAT_GRACE_MS", GRACE_MS.to_string())
-            .args(["reconcile", "--once"])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
+        run_ok(
+            janitor(&f.settings)
+                .env("JANITOR_HEARTBEAT_GRACE_MS", GRACE_MS.to_string())
+                .args(["reconcile", "--once"]),
+        )
     };
     // A fresh Redis, no record: a long-dead server is published at once.
     let long_dead = server("gw-long-dead#1");
@@ -593,10 +560,10 @@ async fn a_sentinel_failover_longer_than_the_grace_fences_no_live_server() {
     assert_eq!(damage(&registry, &conn, &keys).await, (0, 0));
     eprintln!(
         "failover took {failover:?}; outages seen: failed_calls {}, restart {}",
-        reconciler.outages("failed_calls"),
-        reconciler.outages("restart")
+        outages(&reconciler, "failed_calls"),
+        outages(&reconciler, "restart")
     );
-    assert!(reconciler.outages("failed_calls") + reconciler.outages("restart") >= 1);
+    assert!(outages(&reconciler, "failed_calls") + outages(&reconciler, "restart") >= 1);
     reconciler.stop().await;
     worker.stop().await;
     assert_eq!(fleet.stop().await, 0, "a live server was told it is fenced");
@@ -634,7 +601,7 @@ async fn without_an_outage_a_silent_server_is_found_within_a_grace() {
         found_ms - crashed_ms
     );
     assert_eq!(damage(&f.registry, &f.conn, &f.keys).await, (0, 0));
-    assert_eq!(reconciler.outages("failed_calls"), 0);
+    assert_eq!(outages(&reconciler, "failed_calls"), 0);
     reconciler.stop().await;
     worker.stop().await;
     assert_eq!(fleet.stop().await, 0);

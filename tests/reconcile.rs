@@ -7,37 +7,11 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use registry_janitor::{
-    config::{Layout, Settings},
+    config::Layout,
     event::{ServerDead, ServerId},
     metrics::Metrics,
     reconcile::{Reconciler, Verdict},
 };
-use tokio_util::sync::CancellationToken;
-
-struct RunningReconciler {
-    stop: CancellationToken,
-    handle: tokio::task::JoinHandle<registry_janitor::Result<()>>,
-    metrics: Metrics,
-}
-
-impl RunningReconciler {
-    fn start(settings: &Settings) -> Self {
-        let metrics = Metrics::new();
-        let stop = CancellationToken::new();
-        let (s, m, token) = (settings.clone(), metrics.clone(), stop.clone());
-        let handle = tokio::spawn(async move { Reconciler::new(&s, m).await?.run(token).await });
-        RunningReconciler {
-            stop,
-            handle,
-            metrics,
-        }
-    }
-
-    async fn stop(self) {
-        self.stop.cancel();
-        self.handle.await.unwrap().unwrap();
-    }
-}
 
 /// Events on the stream, decoded: (server id, source).
 async fn events(f: &Fixture) -> Vec<(String, Option<String>)> {

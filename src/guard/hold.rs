@@ -28,7 +28,7 @@ use tracing::{debug, info, warn};
 
 use crate::{
     config::Settings,
-    conn::{self, RedisConn},
+    conn::RedisConn,
     error::{Error, Result},
     event::{ServerDead, ServerId},
     keys::{Keys, GROUP},
@@ -42,9 +42,6 @@ pub const HELD_CONSUMER: &str = "janitor-guard-held";
 /// How long a census of the fleet is reused: a zone outage brings many verdicts at once,
 /// and one census a second answers them all.
 const CENSUS_TTL: Duration = Duration::from_secs(1);
-
-/// Servers whose liveness keys are read per round trip in a census.
-const CENSUS_PAGE: usize = 1000;
 
 static HOLD: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(include_str!("hold.lua")));
@@ -603,17 +600,9 @@ async fn take_census(conn: &RedisConn, keys: &Keys, window_ms: u64) -> Result<Ce
         .iter()
         .filter_map(|s| ServerId::parse(s).ok())
         .collect();
-    let mut census = Census {
+    let alive = crate::registry::have_liveness_keys(conn, keys, &servers).await?;
+    Ok(Census {
         recent: servers.len() as u64,
-        silent: 0,
-    };
-    for page in servers.chunks(CENSUS_PAGE) {
-        let exists = page
-            .iter()
-            .map(|s| redis::cmd("EXISTS").arg(keys.server_alive(s)).to_owned())
-            .collect();
-        let alive: Vec<bool> = conn::each_in_flight(conn, exists).await?;
-        census.silent += alive.iter().filter(|a| !**a).count() as u64;
-    }
-    Ok(census)
+        silent: alive.iter().filter(|a| !**a).count() as u64,
+    })
 }

@@ -14,7 +14,7 @@ use tracing::{info, warn};
 
 use super::{PassReport, Reconciler, Verdict, PAGE};
 use crate::{
-    conn::{self, RedisConn},
+    conn::RedisConn,
     error::{Error, Result},
     event::{ServerDead, ServerId},
     guard::reachable::Hold,
@@ -216,20 +216,11 @@ impl Reconciler {
             .into_iter()
             .filter_map(|(m, score)| ServerId::parse(&m).ok().map(|s| (s, score)))
             .collect();
-        for page in servers.chunks(PAGE) {
-            let exists = page
-                .iter()
-                .map(|(s, _)| {
-                    redis::cmd("EXISTS")
-                        .arg(self.keys.server_alive(s))
-                        .to_owned()
-                })
-                .collect();
-            let alive: Vec<bool> = conn::each_in_flight(&self.conn, exists).await?;
-            for ((server, score), has_key) in page.iter().zip(alive) {
-                if has_key || *score as u64 > cutoff {
-                    live.push(server.clone());
-                }
+        let ids: Vec<ServerId> = servers.iter().map(|(s, _)| s.clone()).collect();
+        let alive = crate::registry::have_liveness_keys(&self.conn, &self.keys, &ids).await?;
+        for ((server, score), has_key) in servers.into_iter().zip(alive) {
+            if has_key || score as u64 > cutoff {
+                live.push(server);
             }
         }
         Ok(live)
@@ -249,14 +240,6 @@ pub async fn count_dead(conn: &RedisConn, keys: &Keys, grace_ms: u64) -> Result<
         .iter()
         .filter_map(|s| ServerId::parse(s).ok())
         .collect();
-    let mut dead = 0;
-    for chunk in servers.chunks(PAGE) {
-        let exists = chunk
-            .iter()
-            .map(|s| redis::cmd("EXISTS").arg(keys.server_alive(s)).to_owned())
-            .collect();
-        let alive: Vec<bool> = conn::each_in_flight(conn, exists).await?;
-        dead += alive.iter().filter(|a| !**a).count() as u64;
-    }
-    Ok(dead)
+    let alive = crate::registry::have_liveness_keys(conn, keys, &servers).await?;
+    Ok(alive.iter().filter(|a| !**a).count() as u64)
 }

@@ -390,3 +390,24 @@ impl Registry {
         Ok(owners)
     }
 }
+
+/// Servers whose liveness keys are read per round trip by [`have_liveness_keys`].
+const LIVENESS_PAGE: usize = 1000;
+
+/// Whether each of `servers` has its liveness key now (it heartbeated within its TTL), in
+/// order: one pipeline per page on a node, many in flight on a cluster.
+pub async fn have_liveness_keys(
+    conn: &RedisConn,
+    keys: &Keys,
+    servers: &[ServerId],
+) -> Result<Vec<bool>> {
+    let mut alive = Vec::with_capacity(servers.len());
+    for page in servers.chunks(LIVENESS_PAGE) {
+        let exists = page
+            .iter()
+            .map(|s| redis::cmd("EXISTS").arg(keys.server_alive(s)).to_owned())
+            .collect();
+        alive.extend(crate::conn::each_in_flight::<bool>(conn, exists).await?);
+    }
+    Ok(alive)
+}

@@ -235,6 +235,64 @@ pub fn spawn_worker(settings: &Settings) -> RunningWorker {
     }
 }
 
+/// An in-process reconciler (`Reconciler::run`) and what it counted.
+pub struct RunningReconciler {
+    pub stop: CancellationToken,
+    pub handle: JoinHandle<registry_janitor::Result<()>>,
+    pub metrics: Metrics,
+}
+
+impl RunningReconciler {
+    pub fn start(settings: &Settings) -> Self {
+        let metrics = Metrics::new();
+        let stop = CancellationToken::new();
+        let (s, m, token) = (settings.clone(), metrics.clone(), stop.clone());
+        let handle = tokio::spawn(async move {
+            registry_janitor::reconcile::Reconciler::new(&s, m)
+                .await?
+                .run(token)
+                .await
+        });
+        RunningReconciler {
+            stop,
+            handle,
+            metrics,
+        }
+    }
+
+    pub async fn stop(self) {
+        self.stop.cancel();
+        self.handle.await.unwrap().unwrap();
+    }
+}
+
+/// The pending-list row of stream entry `id`: (owner, delivery count), or None once it
+/// is acknowledged.
+pub async fn pending_row(conn: &RedisConn, keys: &Keys, id: &str) -> Option<(String, u64)> {
+    let rows: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+        .arg(keys.events())
+        .arg(registry_janitor::keys::GROUP)
+        .arg(id)
+        .arg(id)
+        .arg(1)
+        .query_async(&mut conn.clone())
+        .await
+        .unwrap();
+    rows.into_iter().next().map(|(_, owner, _, n)| (owner, n))
+}
+
+/// Runs a `registry-janitor` command to its end; fails the test with its stderr unless
+/// it succeeded. Returns its stdout.
+pub fn run_ok(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 /// Polls `check` until it returns true; on timeout fails with `what` and the server log.
 pub async fn wait_until<F, Fut>(server: &RedisServer, what: &str, timeout: Duration, mut check: F)
 where
@@ -512,16 +570,7 @@ pub async fn wait_walked(
 
 /// True while the stream entry `id` is pending (delivered, not acknowledged).
 pub async fn is_pending(conn: &RedisConn, keys: &Keys, id: &str) -> bool {
-    let rows: Vec<redis::Value> = redis::cmd("XPENDING")
-        .arg(keys.events())
-        .arg(registry_janitor::keys::GROUP)
-        .arg(id)
-        .arg(id)
-        .arg(1)
-        .query_async(&mut conn.clone())
-        .await
-        .unwrap();
-    !rows.is_empty()
+    pending_row(conn, keys, id).await.is_some()
 }
 
 /// Plays a zombie `server`: registers new users on it, one by one, until the event `id`
