@@ -152,6 +152,11 @@ pub struct Guard {
     claim_min_idle_ms: u64,
     /// The last census and when it was taken (see [`CENSUS_TTL`]).
     census: Mutex<Option<(Instant, Census)>>,
+    /// Whether a verdict of a mass silence was held at the last look, and when (reused
+    /// like the census).
+    mass_held: Mutex<Option<(Instant, bool)>>,
+    /// The holds may not be read (an ACL without them): said once.
+    holds_refused: std::sync::atomic::AtomicBool,
 }
 
 impl Guard {
@@ -166,6 +171,8 @@ impl Guard {
             hold_grace_ms: settings.guard_hold_grace(),
             claim_min_idle_ms: settings.claim_min_idle_ms,
             census: Mutex::new(None),
+            mass_held: Mutex::new(None),
+            holds_refused: Default::default(),
         }
     }
 
@@ -183,6 +190,31 @@ impl Guard {
         let census = take_census(conn, &self.keys, window).await?;
         *self.census.lock().expect("census lock") = Some((Instant::now(), census));
         Ok(census)
+    }
+
+    /// Whether a verdict of a mass silence is held now. Reused for [`CENSUS_TTL`]. Where
+    /// the holds may not be read, the answer is yes (the careful one), said once.
+    pub async fn holds_mass_silence(&self, conn: &RedisConn) -> Result<bool> {
+        if let Some((at, held)) = *self.mass_held.lock().expect("hold lock") {
+            if at.elapsed() < CENSUS_TTL {
+                return Ok(held);
+            }
+        }
+        let held = match list(conn, &self.keys).await {
+            Ok(holds) => holds.iter().any(|h| h.doubt == Doubt::MassSilence),
+            Err(Error::Redis(e)) if !crate::error::redis_error_is_retryable(&e) => {
+                if !self
+                    .holds_refused
+                    .swap(true, std::sync::atomic::Ordering::Relaxed)
+                {
+                    warn!(error = %e, "the guard's holds may not be read: the drift sweep deletes nothing on silence");
+                }
+                true
+            }
+            Err(e) => return Err(e),
+        };
+        *self.mass_held.lock().expect("hold lock") = Some((Instant::now(), held));
+        Ok(held)
     }
 
     /// Whether `census` shows a mass silence.

@@ -697,6 +697,11 @@ impl Reachable {
             Err(e) => {
                 self.refused(&e);
                 let t = self.tracker();
+                if t.last.is_none() {
+                    // Nothing known yet: as with no record, a recent load from disk
+                    // starts the grace (the first-run rule).
+                    return Ok(None);
+                }
                 Ok(Some(Record {
                     run_ids: t.last.as_ref().and_then(|l| l.run_ids.clone()),
                     reachable_since_ms: t.reachable_since_ms,

@@ -90,6 +90,8 @@ impl Reconciler {
         marker_ttl: u64,
         hold: Hold,
     ) -> Result<Verdict> {
+        // Taken before any round trip: a stall meanwhile only makes it more careful.
+        let cutoff = self.cutoff_ms();
         let mut c = self.conn.clone();
         // A fenced server is dead whatever its heartbeat says (the script checks again).
         if !crate::fence::is_fenced(&self.conn, &self.keys, server).await? {
@@ -111,7 +113,7 @@ impl Reconciler {
                 .arg(server.as_str())
                 .query_async(&mut c)
                 .await?;
-            if let Some(score) = score.filter(|&s| s as u64 > self.cutoff_ms()) {
+            if let Some(score) = score.filter(|&s| s as u64 > cutoff) {
                 return Ok(Verdict::TooRecent {
                     heartbeat_ms: score as u64,
                 });

@@ -23,24 +23,22 @@ static SWEEP_REVERSE: LazyLock<redis::Script> =
 
 impl Reconciler {
     /// The cutoff of the forward sweep: an owner with no liveness key and no heartbeat
-    /// newer than this is dead. While the guard holds verdicts or sees a mass silence
-    /// (see [`crate::guard`]), silence proves nothing: the cutoff is 0, and only entries
-    /// of fenced owners and of owners unknown to `servers` go.
+    /// newer than this is dead. While the guard holds a verdict of a mass silence or sees
+    /// one (see [`crate::guard`]), silence proves nothing: the cutoff is 0, and only
+    /// entries of fenced owners and of owners unknown to `servers` go. (A disputed hold
+    /// needs nothing here: its server has a liveness key.) The cutoff is taken before
+    /// the guard's round trips, so that a stall meanwhile only makes it more careful.
     pub(super) async fn sweep_cutoff_ms(&self) -> Result<u64> {
-        if self.settings.guard {
-            let held: u64 = redis::cmd("HLEN")
-                .arg(self.keys.guard_held())
-                .query_async(&mut self.conn.clone())
-                .await?;
-            if held > 0
+        let cutoff = self.cutoff_ms();
+        if self.settings.guard
+            && (self.guard.holds_mass_silence(&self.conn).await?
                 || self
                     .guard
-                    .is_mass_silence(self.guard.census(&self.conn).await?)
-            {
-                return Ok(0);
-            }
+                    .is_mass_silence(self.guard.census(&self.conn).await?))
+        {
+            return Ok(0);
         }
-        Ok(self.cutoff_ms())
+        Ok(cutoff)
     }
 
     /// One step of the forward sweep; `cursor` None resumes from the stored cursor.
@@ -48,6 +46,8 @@ impl Reconciler {
     /// reachable for a full grace since its last outage, only entries of fenced owners
     /// are deleted.
     pub async fn sweep_step(&self, cursor: Option<&str>) -> Result<(String, u64, u64)> {
+        let cutoff = self.sweep_cutoff_ms().await?;
+        // Read last, right before the step: an outage during the reads above holds it.
         let hold = self.hold().await?;
         let pattern = crate::keys::pattern_under(&self.keys.user_key_prefix());
         let mut call = SWEEP_FORWARD.prepare_invoke();
@@ -60,7 +60,7 @@ impl Reconciler {
         call.arg(self.settings.layout.as_str())
             .arg(self.settings.sweep_count)
             .arg(self.keys.prefix())
-            .arg(self.sweep_cutoff_ms().await?)
+            .arg(cutoff)
             .arg(pattern)
             .arg(cursor.unwrap_or(""))
             .arg(if hold.is_ready() { "0" } else { "1" });
