@@ -144,8 +144,10 @@ async fn all_parked(f: &Fixture, ids: &[String]) -> bool {
     true
 }
 
+/// A grace period well past the fleet's liveness TTL (as a deployment sets it): a
+/// server's liveness key is gone well before its verdict may come.
 fn guard_settings(s: &mut registry_janitor::config::Settings) {
-    s.heartbeat_grace_ms = 1_000;
+    s.heartbeat_grace_ms = 1_500;
     s.reconcile_interval_ms = 300;
     s.sweep_pause_ms = 10;
 }

@@ -39,8 +39,9 @@ use crate::{
 /// it; consumer expiry never removes a consumer with pending entries.
 pub const HELD_CONSUMER: &str = "janitor-guard-held";
 
-/// How long a census of the fleet is reused: a zone outage brings many verdicts at once,
-/// and one census a second answers them all.
+/// How long a census of the fleet is reused, at most: a zone outage brings many verdicts
+/// at once, and one census a second answers them all. Never more than a quarter of the
+/// grace period (see [`Guard::new`]).
 const CENSUS_TTL: Duration = Duration::from_secs(1);
 
 static HOLD: LazyLock<redis::Script> =
@@ -150,7 +151,12 @@ pub struct Guard {
     disputed_limit: u64,
     hold_grace_ms: u64,
     claim_min_idle_ms: u64,
-    /// The last census and when it was taken (see [`CENSUS_TTL`]).
+    /// How long a census (and the look at the holds) is reused: [`CENSUS_TTL`], or a
+    /// quarter of `heartbeat_grace_ms` if less. A census older than that could predate
+    /// the silence of servers that have since passed the grace (a liveness TTL must lie
+    /// well inside the grace period).
+    census_ttl: Duration,
+    /// The last census and when it was taken.
     census: Mutex<Option<(Instant, Census)>>,
     /// Whether a verdict of a mass silence was held at the last look, and when (reused
     /// like the census).
@@ -170,6 +176,7 @@ impl Guard {
             disputed_limit: settings.guard_disputed_limit,
             hold_grace_ms: settings.guard_hold_grace(),
             claim_min_idle_ms: settings.claim_min_idle_ms,
+            census_ttl: CENSUS_TTL.min(Duration::from_millis(settings.heartbeat_grace_ms / 4)),
             census: Mutex::new(None),
             mass_held: Mutex::new(None),
             holds_refused: Default::default(),
@@ -177,10 +184,10 @@ impl Guard {
     }
 
     /// Counts the servers that heartbeated within the window and, of those, the silent
-    /// ones (liveness key gone). Reused for [`CENSUS_TTL`].
+    /// ones (liveness key gone). Reused for `census_ttl`.
     pub async fn census(&self, conn: &RedisConn) -> Result<Census> {
         if let Some((at, census)) = *self.census.lock().expect("census lock") {
-            if at.elapsed() < CENSUS_TTL {
+            if at.elapsed() < self.census_ttl {
                 return Ok(census);
             }
         }
@@ -192,11 +199,11 @@ impl Guard {
         Ok(census)
     }
 
-    /// Whether a verdict of a mass silence is held now. Reused for [`CENSUS_TTL`]. Where
+    /// Whether a verdict of a mass silence is held now. Reused for `census_ttl`. Where
     /// the holds may not be read, the answer is yes (the careful one), said once.
     pub async fn holds_mass_silence(&self, conn: &RedisConn) -> Result<bool> {
         if let Some((at, held)) = *self.mass_held.lock().expect("hold lock") {
-            if at.elapsed() < CENSUS_TTL {
+            if at.elapsed() < self.census_ttl {
                 return Ok(held);
             }
         }
