@@ -384,7 +384,7 @@ mod tests {
     /// refusal is transient.
     #[test]
     fn pipelines_and_transactions_are_classified_by_their_failed_commands() {
-        let server = crate::testkit::RedisServer::start().unwrap();
+        let server = registry_janitor_testkit::RedisServer::start().unwrap();
         let mut c = redis::Client::open(server.url())
             .unwrap()
             .get_connection()

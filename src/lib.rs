@@ -56,13 +56,14 @@
 //!   [`http`]: the /metrics, /healthz and /readyz listener.
 //! - [`conn`] (one node or a cluster; `conn/cluster.rs`: masters, node clients, epoch),
 //!   [`retry`], [`metrics`], [`error`]: plumbing.
-//! - `testkit` (cargo feature `testkit`, on by default, off in the image): a private
-//!   `redis-server` on a free port and a local Redis Cluster, for the tests and for the
-//!   binary's `demo` and `bench`.
+//! - [`service`]: the settings flags, logging, signals, and the long-running commands
+//!   (`worker`, `reconcile`, `alert-receiver`) with their metrics listener.
 //!
-//! The command line is the binary, `src/bin/registry-janitor/`: `main.rs` parses,
-//! sets up logging and signals, loads the settings and calls one function per command
-//! (`commands.rs`); `output.rs` prints; `demo.rs` and `bench/` are its tooling.
+//! The command line is the binary, `src/bin/registry-janitor/`: `main.rs` parses, loads
+//! the settings and calls one function per command (`commands.rs`); `output.rs` prints.
+//! The workspace holds two more crates: `crates/testkit` (a private `redis-server` on a
+//! free port, a local Redis Cluster, a Sentinel group, for the tests) and `crates/lab`
+//! (`registry-janitor-lab`: the demo and the benchmark).
 
 pub mod cleanup;
 pub mod config;
@@ -83,10 +84,9 @@ pub mod receiver;
 pub mod reconcile;
 pub mod registry;
 pub mod retry;
+pub mod service;
 pub mod status;
 pub mod stream;
-#[cfg(feature = "testkit")]
-pub mod testkit;
 pub mod worker;
 
 pub use error::{Error, Result};

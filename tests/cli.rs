@@ -295,57 +295,6 @@ async fn text_logs_to_a_file_have_no_colour_codes() {
     );
 }
 
-/// `demo`, as a new user runs it: on the test's own Redis (both layouts), and with
-/// `--local-cluster` on a private local cluster it starts itself. Each run seeds, kills,
-/// cleans with users reconnecting meanwhile, verifies the registry and the evictions
-/// stream, says `verified`, and leaves no key behind.
-#[test]
-fn the_demo_verifies_its_run_on_a_node_and_on_a_local_cluster() {
-    let redis = redis();
-    let small = ["--servers", "4", "--users", "3000", "--dead", "2"];
-    let mut runs: Vec<(Layout, bool)> = vec![(Layout::Hash, false), (Layout::Keys, false)];
-    if registry_janitor::testkit::RedisCluster::supported() {
-        runs.extend([(Layout::Hash, true), (Layout::Keys, true)]);
-    } else {
-        eprintln!("redis-server cannot run a local cluster here: the demo runs on one node only");
-    }
-    for (layout, cluster) in runs {
-        let settings = settings(&redis, layout);
-        let mut cmd = janitor(&settings);
-        for var in ["JANITOR_TEST_REDIS_SERVER", "JANITOR_TEST_REDIS_CLI"] {
-            if let Some(value) = std::env::var_os(var) {
-                cmd.env(var, value);
-            }
-        }
-        cmd.arg("demo").args(small);
-        if cluster {
-            cmd.arg("--local-cluster");
-        }
-        let (code, stdout, stderr) = run(&mut cmd);
-        let what = format!("{layout:?}, cluster {cluster}: {stdout}\n{stderr}");
-        assert_eq!(code, 0, "{what}");
-        assert!(stdout.contains("registry-janitor demo: verified"), "{what}");
-        let figure = |label: &str| -> u64 {
-            let line = stdout.lines().find(|l| l.trim_start().starts_with(label));
-            line.and_then(|l| l.split_whitespace().nth(label.split(' ').count()))
-                .and_then(|n| n.parse().ok())
-                .unwrap_or_else(|| panic!("no `{label}` figure: {what}"))
-        };
-        assert_eq!(figure("deleted") + figure("kept"), 6000, "{what}");
-        assert_eq!(figure("stale left"), 0, "{what}");
-        assert_eq!(figure("live lost"), 0, "{what}");
-        assert!(figure("evictions") >= figure("deleted"), "{what}");
-        if cluster {
-            assert!(stderr.contains("private Redis Cluster"), "{what}");
-        } else {
-            let keys: u64 = redis::cmd("DBSIZE")
-                .query(&mut redis::Client::open(redis.url()).unwrap())
-                .unwrap();
-            assert_eq!(keys, 0, "the demo left keys behind: {what}");
-        }
-    }
-}
-
 /// A Redis that renames EVAL and EVALSHA (as some managed services and proxies can): the
 /// worker stops at start-up saying that it needs Lua scripts, rather than dead-lettering
 /// every event later. The events stay in the stream for a worker on a Redis that can.

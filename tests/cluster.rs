@@ -15,8 +15,8 @@ use registry_janitor::{
     metrics::outcome,
     registry::Registry,
     status,
-    testkit::RedisCluster,
 };
+use registry_janitor_testkit::RedisCluster;
 
 struct ClusterFixture {
     settings: Settings,

@@ -23,8 +23,8 @@ use registry_janitor::{
     event::ServerId,
     keys::Keys,
     registry::Registry,
-    testkit::RedisSentinels,
 };
+use registry_janitor_testkit::RedisSentinels;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 

@@ -997,12 +997,12 @@ async fn prometheus_to_alertmanager_to_receiver_to_worker_cleans_the_dead_server
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_a_redis_cluster_each_alert_is_published_once_from_the_streams_slot() {
     init_logs();
-    if !registry_janitor::testkit::RedisCluster::supported() {
+    if !registry_janitor_testkit::RedisCluster::supported() {
         eprintln!("SKIPPED: this redis-server cannot run a cluster (or redis-cli is missing)");
         return;
     }
     let cluster =
-        tokio::task::spawn_blocking(|| registry_janitor::testkit::RedisCluster::start(3, 0))
+        tokio::task::spawn_blocking(|| registry_janitor_testkit::RedisCluster::start(3, 0))
             .await
             .unwrap()
             .expect("start a local cluster");

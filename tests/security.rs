@@ -12,8 +12,8 @@ use rcgen::{
 };
 use registry_janitor::{
     config::Layout, conn::RedisConn, error::Error, event::ServerId, registry::Registry,
-    testkit::RedisServer,
 };
+use registry_janitor_testkit::RedisServer;
 
 fn text(out: &Output) -> (String, String) {
     (
@@ -481,8 +481,8 @@ async fn passwords_come_from_a_file_or_a_variable_and_are_never_shown() {
 async fn a_cluster_runs_over_mutual_tls() {
     use registry_janitor::{
         config::Settings, conn, keys::Keys, metrics::Metrics, reconcile::Reconciler, status,
-        testkit::RedisCluster,
     };
+    use registry_janitor_testkit::RedisCluster;
     init_logs();
     if !RedisCluster::supported() {
         eprintln!("SKIPPED: this redis-server cannot run a cluster (or redis-cli is missing)");

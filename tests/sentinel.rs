@@ -13,8 +13,8 @@ use registry_janitor::{
     keys::Keys,
     registry::Registry,
     status,
-    testkit::{RedisSentinels, MASTER_NAME},
 };
+use registry_janitor_testkit::{RedisSentinels, MASTER_NAME};
 
 /// A Sentinel group and settings that reach it through the sentinels only.
 struct SentinelFixture {
@@ -296,11 +296,10 @@ async fn a_primary_killed_mid_cleanup_fails_over_and_the_cleanup_finishes() {
 /// a replica. The reconciler moves its expiry-hint subscription to the new primary (a
 /// subscription left on a replica hears no expiries), and a server whose liveness key
 /// expires there is declared dead by that hint, long before the next periodic pass, and
-/// cleaned by the worker. A connection still pointing at the demoted node is answered
-/// READONLY once, and finds the new primary through the sentinels at the next command
-/// instead of retrying the old address.
+/// cleaned by the worker. (A connection still pointing at the demoted node: the unit
+/// tests of `conn::sentinel`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_reconciler_and_a_demoted_connection_follow_a_planned_failover() {
+async fn the_reconciler_follows_a_planned_failover() {
     let Some(f) = SentinelFixture::start(&["--notify-keyspace-events", "Ex"]).await else {
         return;
     };
@@ -375,39 +374,6 @@ async fn the_reconciler_and_a_demoted_connection_follow_a_planned_failover() {
         "no expiry hint reached the reconciler; its log:\n{}",
         reconciler.log()
     );
-
-    // A connection at the demoted node: one READONLY, then the new primary.
-    let conn::Target::Sentinel(target) = conn::target_for(&f.settings).unwrap() else {
-        panic!("a Sentinel target");
-    };
-    let mut at_old = RedisConn::Sentinel(
-        conn::SentinelConn::starting_at(target, Duration::from_secs(5), "127.0.0.1", old_port)
-            .unwrap(),
-    );
-    let key = format!("{}probe", f.settings.key_prefix);
-    let first: redis::RedisResult<()> = redis::cmd("SET")
-        .arg(&key)
-        .arg("1")
-        .query_async(&mut at_old)
-        .await;
-    assert_eq!(
-        first.as_ref().err().and_then(|e| e.code()),
-        Some("READONLY"),
-        "{first:?}"
-    );
-    let _: () = redis::cmd("SET")
-        .arg(&key)
-        .arg("2")
-        .query_async(&mut at_old)
-        .await
-        .expect("the next command goes to the new primary");
-    let on_new = conn::shared(&conn::client(&f.group.nodes[replica].url()).unwrap()).unwrap();
-    let value: Option<String> = redis::cmd("GET")
-        .arg(&key)
-        .query_async(&mut on_new.clone())
-        .await
-        .unwrap();
-    assert_eq!(value.as_deref(), Some("2"));
 
     for p in [&reconciler, &worker] {
         p.signal("TERM");

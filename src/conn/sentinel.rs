@@ -231,11 +231,11 @@ impl SentinelConn {
         }))
     }
 
-    /// For tests: a connection that starts at `host:port` as if the sentinels had named
-    /// it (for example a node demoted since), and looks the primary up again from there
-    /// like any other.
-    #[cfg(feature = "testkit")]
-    pub fn starting_at(
+    /// A connection that starts at `host:port` as if the sentinels had named it (for
+    /// example a node demoted since), and looks the primary up again from there like any
+    /// other.
+    #[cfg(test)]
+    fn starting_at(
         target: SentinelTarget,
         response_timeout: Duration,
         host: &str,
@@ -517,5 +517,95 @@ mod tests {
         ] {
             assert!(!points_elsewhere(&reply(line)), "{line}");
         }
+    }
+
+    /// A planned failover (`SENTINEL FAILOVER`) demotes the primary: a connection still
+    /// pointing at the demoted node is answered READONLY once, and finds the new primary
+    /// through the sentinels at the next command instead of retrying the old address.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_connection_at_a_demoted_node_finds_the_new_primary() {
+        use registry_janitor_testkit::{RedisSentinels, MASTER_NAME};
+        if !RedisSentinels::supported() {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "CI: redis-server is needed for the Sentinel tests"
+            );
+            eprintln!("SKIPPED: redis-server is not installed");
+            return;
+        }
+        let group = tokio::task::spawn_blocking(|| RedisSentinels::start(1, 3, &[]))
+            .await
+            .unwrap()
+            .expect("start a primary, a replica and three sentinels");
+        let mut settings = Settings::defaults();
+        settings.redis_url = "redis://127.0.0.1:1/0".into();
+        settings.redis_sentinels = group.sentinel_urls();
+        settings.redis_sentinel_master = Some(MASTER_NAME.into());
+        settings.validate().unwrap();
+        let (old, replica) = (0, 1);
+        let old_port = group.nodes[old].port();
+        let mut sentinel = redis::Client::open(group.sentinels[0].url())
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        let _: () = redis::cmd("SENTINEL")
+            .arg("FAILOVER")
+            .arg(MASTER_NAME)
+            .query_async(&mut sentinel)
+            .await
+            .unwrap();
+        let promoted = tokio::task::block_in_place(|| {
+            group
+                .wait_failover_from(old, Duration::from_secs(90))
+                .expect("the sentinels promote the replica")
+        });
+        assert_eq!(promoted, replica);
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while group.role(old).as_deref() != Some("slave") {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the old primary did not become a replica:\n{}",
+                group.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+
+        let crate::conn::Target::Sentinel(target) = crate::conn::target_for(&settings).unwrap()
+        else {
+            panic!("a Sentinel target");
+        };
+        let mut at_old = crate::conn::RedisConn::Sentinel(
+            SentinelConn::starting_at(target, Duration::from_secs(5), "127.0.0.1", old_port)
+                .unwrap(),
+        );
+        let key = format!("{}probe", settings.key_prefix);
+        let first: RedisResult<()> = redis::cmd("SET")
+            .arg(&key)
+            .arg("1")
+            .query_async(&mut at_old)
+            .await;
+        assert_eq!(
+            first.as_ref().err().and_then(|e| e.code()),
+            Some("READONLY"),
+            "{first:?}"
+        );
+        let _: () = redis::cmd("SET")
+            .arg(&key)
+            .arg("2")
+            .query_async(&mut at_old)
+            .await
+            .expect("the next command goes to the new primary");
+        let mut on_new = redis::Client::open(group.nodes[replica].url())
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        let value: Option<String> = redis::cmd("GET")
+            .arg(&key)
+            .query_async(&mut on_new)
+            .await
+            .unwrap();
+        assert_eq!(value.as_deref(), Some("2"));
     }
 }

@@ -20,9 +20,9 @@ use registry_janitor::{
     metrics::Metrics,
     registry::Registry,
     status, stream,
-    testkit::RedisServer,
     worker::Worker,
 };
+use registry_janitor_testkit::RedisServer;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 

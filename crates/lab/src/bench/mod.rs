@@ -1,10 +1,10 @@
-//! `registry-janitor bench`: how fast a dead server is cleaned, what it costs Redis, and
+//! `registry-janitor-lab bench`: how fast a dead server is cleaned, what it costs Redis, and
 //! what routing lookups feel meanwhile, against references measured in the same run.
 //!
 //! Every run seeds its own keys: one dead server with `users` users, `moved_percent` of
 //! them reconnected to a live server (they must survive), and the live server's own users
 //! (the lookup targets). Runs:
-//! - `janitor`: the real worker path: a `registry-janitor worker` child process, one
+//! - `janitor`: the real worker path: a worker child process ([`worker_exe`]), one
 //!   `server.dead` event in, its acknowledgement out. The child's peak RSS is the
 //!   worker's memory. A second, smaller janitor run (`baseline_users`) checks that memory
 //!   does not grow with the size of the dead server;
@@ -47,7 +47,7 @@ use registry_janitor::{
 };
 use serde::Serialize;
 
-use crate::{cli::BenchOptions as Options, demo::redis_for};
+use crate::{cli::BenchOptions as Options, private::redis_for};
 use route::{RouteCost, StaleWindow};
 use runs::Reference;
 
@@ -109,7 +109,8 @@ pub struct Report {
     pub stale_window: Option<StaleWindow>,
 }
 
-/// Runs the benchmark; `worker_exe` is the `registry-janitor` binary to start workers from.
+/// Runs the benchmark; `worker_exe` is the binary whose `worker` command the janitor runs
+/// start ([`worker_exe`]).
 pub async fn run(settings: &Settings, options: &Options, worker_exe: &Path) -> Result<Report> {
     if settings.uses_sentinel() {
         return Err(Error::Setting {
@@ -245,7 +246,47 @@ fn median(runs: &[Run], name: &str) -> Run {
     }
 }
 
-/// The running binary, to start bench workers from.
+/// The binary the workers are started from: `--worker-exe` (a `registry-janitor`), or
+/// this one (its hidden `worker` command runs the same worker code).
+pub fn worker_exe(options: &Options) -> Result<PathBuf> {
+    match &options.worker_exe {
+        Some(exe) => Ok(exe.clone()),
+        None => current_exe(),
+    }
+}
+
+/// The running binary (for the lookup probe, and the workers by default).
 pub fn current_exe() -> Result<PathBuf> {
-    std::env::current_exe().map_err(|e| Error::io("locating the registry-janitor binary", e))
+    std::env::current_exe().map_err(|e| Error::io("locating the registry-janitor-lab binary", e))
+}
+
+impl Report {
+    /// Why the benchmark failed, if it did: the janitor run left stale entries or lost
+    /// live ones, `route` returned the dead server after its fence was recorded, or a
+    /// route-cost lookup did not return the live owner.
+    pub fn failures(&self) -> Option<String> {
+        let janitor = self.runs.iter().find(|r| r.name == "janitor");
+        if janitor.is_some_and(|j| j.stale_left > 0 || j.live_lost > 0) {
+            return Some("the janitor run left stale entries or lost live ones".into());
+        }
+        if let Some(w) = self
+            .stale_window
+            .as_ref()
+            .filter(|w| w.route.dead_after_verdict > 0)
+        {
+            return Some(format!(
+                "route returned the dead server after its fence was recorded ({} of {} lookups)",
+                w.route.dead_after_verdict, w.route.lookups_after_verdict
+            ));
+        }
+        self.route_cost
+            .as_ref()
+            .filter(|c| c.route.wrong + c.plain.wrong > 0)
+            .map(|c| {
+                format!(
+                    "a route-cost lookup did not return the live owner (route {}, plain {})",
+                    c.route.wrong, c.plain.wrong
+                )
+            })
+    }
 }

@@ -1,4 +1,4 @@
-//! A small `registry-janitor bench` as a correctness check (no timing assertions): every
+//! A small `registry-janitor-lab bench` as a correctness check (no timing assertions): every
 //! run verifies the registry afterwards, and the report must say so.
 
 mod common;
@@ -6,10 +6,10 @@ mod common;
 use common::*;
 use registry_janitor::config::{Layout, Settings};
 
-/// `registry-janitor bench <args> --repeat 1 --json` on `settings`: its JSON report (the
+/// `registry-janitor-lab bench <args> --repeat 1 --json` on `settings`: its JSON report (the
 /// command must succeed).
 fn bench_json(settings: &Settings, args: &[&str]) -> serde_json::Value {
-    let out = janitor(settings)
+    let out = lab(settings)
         .arg("bench")
         .args(args)
         .args(["--repeat", "1", "--json"])
@@ -118,7 +118,7 @@ fn bench_verifies_every_run_keys_layout() {
 /// path): every run verified; the careful reference does not exist there.
 #[test]
 fn bench_verifies_every_run_on_a_local_cluster() {
-    if !registry_janitor::testkit::RedisCluster::supported() {
+    if !registry_janitor_testkit::RedisCluster::supported() {
         eprintln!("SKIPPED: this redis-server cannot run a cluster");
         return;
     }

@@ -2,7 +2,7 @@
 //! at once (one zone of three: 2 x D more servers stay alive, so the guard sees a zone
 //! outage, not a mass silence), their D `server.dead` events are published together (one pipeline), and
 //! `--workers` worker processes clean them, while a probe in its own process
-//! (`registry-janitor bench-probe`) issues one routing lookup per millisecond of live
+//! (`registry-janitor-lab bench-probe`) issues one routing lookup per millisecond of live
 //! users. Measured:
 //! - lookups: p50, p99, max (the probe's own process, so the bench's work never delays it);
 //! - per-event stale windows, from the event's XADD to its acknowledgement: the
@@ -15,7 +15,7 @@
 //!
 //! `--latency-targets` and `--step-orders` sweep settings (passed to the workers as
 //! `JANITOR_LATENCY_TARGET_MS` and `JANITOR_STEP_ORDER`), `--repeat` repeats each, and
-//! `--worker-exe` runs the workers from another build (a before/after).
+//! `--worker-exe` runs the workers from a given `registry-janitor` binary.
 
 use std::{
     collections::HashMap,
@@ -34,7 +34,6 @@ use registry_janitor::{
     keys::Keys,
     registry::Registry,
     status, stream,
-    testkit::RedisServer,
 };
 use serde::Serialize;
 use tokio::{io::AsyncWriteExt, process::Child};
@@ -138,7 +137,7 @@ impl ZoneReport {
 /// Runs the zone benchmark on a private redis-server.
 pub async fn run(settings: &Settings, options: &Options, worker_exe: &Path) -> Result<ZoneReport> {
     let zone = options.zone.unwrap_or(1).max(1);
-    let redis = tokio::task::spawn_blocking(RedisServer::start).await??;
+    let redis = crate::private::start_server().await?;
     eprintln!(
         "started a private redis-server on port {} for the zone benchmark",
         redis.port()
@@ -156,10 +155,6 @@ pub async fn run(settings: &Settings, options: &Options, worker_exe: &Path) -> R
         .unwrap_or("")
         .trim()
         .to_owned();
-    let worker_exe = options
-        .worker_exe
-        .clone()
-        .unwrap_or_else(|| worker_exe.to_path_buf());
     let targets = if options.latency_targets.is_empty() {
         vec![settings.latency_target_ms]
     } else {
@@ -174,7 +169,7 @@ pub async fn run(settings: &Settings, options: &Options, worker_exe: &Path) -> R
         settings: &settings,
         conn: &conn,
         options,
-        worker_exe: &worker_exe,
+        worker_exe,
         zone,
     };
     // Repetitions outermost, so that every setting sees the same load conditions in turn
@@ -782,7 +777,7 @@ impl fmt::Display for ZoneReport {
     }
 }
 
-/// `registry-janitor bench-probe`: one routing lookup (HGET/GET of a live user) per
+/// `registry-janitor-lab bench-probe`: one routing lookup (HGET/GET of a live user) per
 /// millisecond until stdin closes, then each lookup's (unix ms when sent, latency in
 /// microseconds), as a JSON array on stdout.
 pub async fn probe(settings: &Settings, options: &ProbeOptions) -> Result<()> {

@@ -1,0 +1,127 @@
+//! The command line of `registry-janitor-lab`: `demo`, `bench`, and the hidden `worker`
+//! and `bench-probe` that the benchmark starts as processes of their own. The settings
+//! flags are the service's ([`registry_janitor::service::SettingsFlags`]).
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+use registry_janitor::service::SettingsFlags;
+
+#[derive(Parser)]
+#[command(
+    name = "registry-janitor-lab",
+    version,
+    about = "The demo and the benchmark of registry-janitor, each on a private redis-server when no Redis answers"
+)]
+pub struct Cli {
+    #[command(flatten)]
+    pub settings: SettingsFlags,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// The whole story on one machine: seed, kill servers, clean, verify.
+    Demo(DemoOptions),
+    /// The throughput and latency benchmark, with references measured in the same run.
+    Bench(BenchOptions),
+    /// The lookup probe of `bench --zone`, in a process of its own (internal).
+    #[command(hide = true)]
+    BenchProbe(ProbeOptions),
+    /// The service's worker, the same code as `registry-janitor worker`: the benchmark's
+    /// worker processes (internal).
+    #[command(hide = true)]
+    Worker,
+}
+
+/// What the lookup probe of `bench --zone` looks up.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ProbeOptions {
+    /// Live users `live0` .. `live<N-1>` under `key_prefix`, looked up in turn.
+    #[arg(long, default_value_t = 10_000)]
+    pub users: usize,
+}
+
+/// Demo size and shape.
+#[derive(Debug, Clone, clap::Args)]
+pub struct DemoOptions {
+    /// Connection servers to seed.
+    #[arg(long, default_value_t = 10)]
+    pub servers: usize,
+    /// Users per server.
+    #[arg(long, default_value_t = 100_000)]
+    pub users: usize,
+    /// Servers that die.
+    #[arg(long, default_value_t = 3)]
+    pub dead: usize,
+    /// Workers run in this process, each its own consumer in the group.
+    #[arg(long, default_value_t = 2)]
+    pub workers: usize,
+    /// Percent of a dead server's users that reconnect elsewhere: half before the event,
+    /// half while the cleanup runs.
+    #[arg(long, default_value_t = 1.0)]
+    pub moved_percent: f64,
+    /// Run on a private local Redis Cluster of 3 masters (all on this machine) instead.
+    #[arg(long)]
+    pub local_cluster: bool,
+}
+
+/// Benchmark size and shape.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchOptions {
+    /// Users on the dead server.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub users: usize,
+    /// Percent of them reconnected to a live server before the cleanup (must survive).
+    #[arg(long, default_value_t = 1.0)]
+    pub moved_percent: f64,
+    /// Users of the naive per-user loop (it is slow: a sample is enough for its rate).
+    #[arg(long, default_value_t = 20_000)]
+    pub naive_sample: usize,
+    /// Users of the second janitor run, for the memory-growth ratio (0 skips it).
+    #[arg(long, default_value_t = 100_000)]
+    pub baseline_users: usize,
+    /// Times each of janitor, unconditional and careful is run (interleaved); the report
+    /// gives the median run of each, so one noisy run cannot decide a ratio.
+    #[arg(long, default_value_t = 3)]
+    pub repeat: usize,
+    /// Lookups of each kind in the route-cost runs (`route` against a plain HGET/GET,
+    /// interleaved `repeat` times); 0 skips them.
+    #[arg(long, default_value_t = 100_000)]
+    pub route_lookups: usize,
+    /// No stale-window probes during the janitor runs (the dead server is then not made
+    /// to look alive).
+    #[arg(long)]
+    pub no_stale_window: bool,
+    /// Run on a private local Redis Cluster of 3 masters (all on this machine) instead.
+    #[arg(long)]
+    pub local_cluster: bool,
+    /// A zone outage instead: this many servers die at once, their events are published
+    /// together, `--workers` worker processes clean them while a probe process looks up
+    /// live users every millisecond; then one server of the same total size, one worker.
+    /// Always on a private redis-server.
+    #[arg(long, value_name = "D")]
+    pub zone: Option<usize>,
+    /// Users of each server of the zone.
+    #[arg(long, default_value_t = 10_000)]
+    pub zone_users: usize,
+    /// Worker processes of the zone run.
+    #[arg(long, default_value_t = 2)]
+    pub workers: usize,
+    /// Start the workers from this `registry-janitor` binary (its `worker` command), e.g.
+    /// another build to compare with; default: this binary's own worker, the same code.
+    #[arg(long, value_name = "FILE")]
+    pub worker_exe: Option<PathBuf>,
+    /// Zone: run once per `latency_target_ms` of this list (e.g. 0,1,2,5); default: the
+    /// setting.
+    #[arg(long, value_delimiter = ',')]
+    pub latency_targets: Vec<u64>,
+    /// Zone: run once per `step_order` of this list (smallest_first,round_robin); default:
+    /// the setting.
+    #[arg(long, value_delimiter = ',')]
+    pub step_orders: Vec<String>,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
