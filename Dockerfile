@@ -11,16 +11,16 @@
 FROM rust:1.95-bookworm AS builder
 WORKDIR /build
 COPY Cargo.toml Cargo.lock ./
+# The workspace's other members (the test harness and the lab): cargo reads their
+# manifests to resolve the workspace; only the service crate is built.
+COPY crates ./crates
 COPY src ./src
 COPY schemas ./schemas
 # BuildKit cache mounts keep the crate registry and target/ between builds; the binary is
 # copied out of the cached target/ because cache mounts are not part of the image.
-# --no-default-features: the service only, without the `testkit` feature (the private
-# redis-server of the tests, the demo and the benchmark): in this image `demo` and `bench`
-# answer with a one-line error.
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/build/target \
-    cargo build --release --locked --no-default-features \
+    cargo build --release --locked -p registry-janitor \
     && install -D -m 0755 target/release/registry-janitor /out/registry-janitor
 
 # distroless "cc": glibc, libgcc, CA certificates, no shell, no package manager; the

@@ -478,10 +478,10 @@ fn the_image_runs_the_janitor_as_a_non_root_user() {
     assert!(builder
         .iter()
         .any(|(i, a)| i == "RUN" && a.contains("cargo build --release --locked")));
-    // The service only: the test harness (feature `testkit`) does not ship in the image.
+    // The service crate only: the test harness and the lab do not ship in the image.
     assert!(builder.iter().any(|(i, a)| i == "RUN"
         && a.contains("cargo build")
-        && a.contains("--no-default-features")));
+        && a.contains("-p registry-janitor ")));
 
     let last_stage = &all[last_from..];
     let user = last_stage

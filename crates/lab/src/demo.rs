@@ -159,19 +159,7 @@ async fn run_in(
     let (dead, live) = servers.split_at(options.dead);
     seed(&registry, conn, &servers, options.users).await?;
 
-    // Users of dead servers who reconnect elsewhere: half before the events, half racing.
-    let mut rng = rand::rng();
-    let share = ((options.users as f64 * options.moved_percent / 100.0).round() as usize)
-        .min(options.users);
-    let mut movers: Vec<(Vec<u8>, ServerId)> = Vec::new();
-    for server in dead {
-        for n in rand::seq::index::sample(&mut rng, options.users, share) {
-            let to = live[rng.random_range(0..live.len())].clone();
-            movers.push((user_id(server, n), to));
-        }
-    }
-    movers.shuffle(&mut rng);
-    let racing = movers.split_off(movers.len() / 2);
+    let (movers, racing) = movers(options, dead, live);
     for (user, to) in &movers {
         registry.register(conn, user, to).await?;
     }
@@ -186,20 +174,7 @@ async fn run_in(
         workers.push(tokio::spawn(w.run(stop.child_token())));
     }
     let started = Instant::now();
-    for server in dead {
-        // The server dies: its liveness key runs out (here, at once), then monitoring
-        // notices. A verdict for a server whose liveness key stands would be disputed.
-        let _: () = redis::cmd("DEL")
-            .arg(keys.server_alive(server))
-            .query_async(&mut conn.clone())
-            .await?;
-        let event = ServerDead::new(
-            server,
-            Some("demo: server killed".into()),
-            Some("demo".into()),
-        );
-        stream::publish_event(conn, keys, &event.encode()).await?;
-    }
+    kill(conn, keys, dead).await?;
     let mover = {
         let (registry, conn) = (registry.clone(), conn.clone());
         tokio::spawn(async move {
@@ -230,6 +205,46 @@ async fn run_in(
         check_evictions(&mut summary, &registry, conn, dead, options.users, &moved).await?;
     }
     Ok(summary)
+}
+
+/// A moved user: who, and the live server they reconnected to.
+type Mover = (Vec<u8>, ServerId);
+
+/// Users of dead servers who reconnect elsewhere (`moved_percent` of each dead server's):
+/// half before the events, half racing the cleanup (the second list).
+fn movers(options: &Options, dead: &[ServerId], live: &[ServerId]) -> (Vec<Mover>, Vec<Mover>) {
+    let mut rng = rand::rng();
+    let share = ((options.users as f64 * options.moved_percent / 100.0).round() as usize)
+        .min(options.users);
+    let mut movers: Vec<Mover> = Vec::new();
+    for server in dead {
+        for n in rand::seq::index::sample(&mut rng, options.users, share) {
+            let to = live[rng.random_range(0..live.len())].clone();
+            movers.push((user_id(server, n), to));
+        }
+    }
+    movers.shuffle(&mut rng);
+    let racing = movers.split_off(movers.len() / 2);
+    (movers, racing)
+}
+
+/// The `dead` servers die: each one's liveness key runs out (here, at once), then
+/// monitoring notices and publishes `server.dead`. A verdict for a server whose liveness
+/// key stands would be disputed.
+async fn kill(conn: &RedisConn, keys: &Keys, dead: &[ServerId]) -> Result<()> {
+    for server in dead {
+        let _: () = redis::cmd("DEL")
+            .arg(keys.server_alive(server))
+            .query_async(&mut conn.clone())
+            .await?;
+        let event = ServerDead::new(
+            server,
+            Some("demo: server killed".into()),
+            Some("demo".into()),
+        );
+        stream::publish_event(conn, keys, &event.encode()).await?;
+    }
+    Ok(())
 }
 
 /// Checks the evictions stream against the registry's end state: every entry of a dead

@@ -1,0 +1,161 @@
+//! What the zone benchmark measures beside the work: Redis's SLOWLOG, the workers' CPU
+//! time, and the lookup probe, a process of its own (`bench-probe`).
+
+use registry_janitor::{
+    config::Settings,
+    conn::{self, RedisConn},
+    error::{Error, Result},
+    keys::Keys,
+};
+use tokio::{io::AsyncWriteExt, process::Child};
+
+use super::scene::live_user;
+use crate::cli::ProbeOptions;
+
+/// Redis's SLOWLOG over a run: every command of 1 ms or more is kept (up to 4,096).
+pub(super) struct Slowest {
+    pub(super) max_us: u64,
+    pub(super) command: String,
+    pub(super) over_5ms: u64,
+}
+
+pub(super) async fn slowlog_reset(conn: &RedisConn) -> Result<()> {
+    redis::pipe()
+        .cmd("CONFIG")
+        .arg("SET")
+        .arg("slowlog-log-slower-than")
+        .arg(1000)
+        .ignore()
+        .cmd("CONFIG")
+        .arg("SET")
+        .arg("slowlog-max-len")
+        .arg(4096)
+        .ignore()
+        .cmd("SLOWLOG")
+        .arg("RESET")
+        .ignore()
+        .query_async::<()>(&mut conn.clone())
+        .await?;
+    Ok(())
+}
+
+pub(super) async fn slowlog_read(conn: &RedisConn) -> Result<Slowest> {
+    // Each entry: id, unix time, duration in us, [command, args...], client addr, name.
+    let entries: Vec<redis::Value> = redis::cmd("SLOWLOG")
+        .arg("GET")
+        .arg(4096)
+        .query_async(&mut conn.clone())
+        .await?;
+    let mut out = Slowest {
+        max_us: 0,
+        command: String::new(),
+        over_5ms: 0,
+    };
+    for entry in entries {
+        let redis::Value::Array(fields) = entry else {
+            continue;
+        };
+        let us: u64 = fields
+            .get(2)
+            .and_then(|v| redis::from_redis_value_ref(v).ok())
+            .unwrap_or(0);
+        let argv: Vec<Vec<u8>> = fields
+            .get(3)
+            .and_then(|v| redis::from_redis_value_ref(v).ok())
+            .unwrap_or_default();
+        // The benchmark's own SLOWLOG RESET (it frees the previous run's entries).
+        if argv
+            .first()
+            .is_some_and(|c| c.eq_ignore_ascii_case(b"slowlog"))
+        {
+            continue;
+        }
+        if us > 5000 {
+            out.over_5ms += 1;
+        }
+        if us > out.max_us {
+            out.max_us = us;
+            out.command = argv
+                .iter()
+                .take(2)
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect::<Vec<_>>()
+                .join(" ");
+        }
+    }
+    Ok(out)
+}
+
+/// utime + stime of a process, in seconds (Linux /proc; 100 ticks a second).
+pub(super) fn cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name, which is in parentheses and may hold spaces.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 after the name.
+    let utime: f64 = fields.get(11)?.parse().ok()?;
+    let stime: f64 = fields.get(12)?.parse().ok()?;
+    Some((utime + stime) / 100.0)
+}
+
+/// The probe process: closing its stdin stops it; it prints its latencies.
+pub(super) struct Probe {
+    pub(super) child: Child,
+}
+
+impl Probe {
+    /// (unix ms when sent, latency in us) of every lookup.
+    pub(super) async fn finish(mut self) -> Result<Vec<(u64, u64)>> {
+        drop(self.child.stdin.take());
+        let out = self
+            .child
+            .wait_with_output()
+            .await
+            .map_err(|e| Error::io("waiting for the lookup probe", e))?;
+        if !out.status.success() {
+            return Err(Error::io(
+                "the lookup probe",
+                std::io::Error::other(format!("exited with {}", out.status)),
+            ));
+        }
+        serde_json::from_slice(&out.stdout).map_err(|e| {
+            Error::io(
+                "reading the lookup probe's latencies",
+                std::io::Error::other(e),
+            )
+        })
+    }
+}
+
+/// `registry-janitor-lab bench-probe`: one routing lookup (HGET/GET of a live user) per
+/// millisecond until stdin closes, then each lookup's (unix ms when sent, latency in
+/// microseconds), as a JSON array on stdout.
+pub async fn probe(settings: &Settings, options: &ProbeOptions) -> Result<()> {
+    let keys = Keys::new(settings.key_prefix.clone());
+    let target = conn::target_for(settings)?;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let watch = stop.clone();
+    tokio::spawn(async move {
+        use tokio::io::AsyncReadExt;
+        let mut stdin = tokio::io::stdin();
+        let mut buf = [0u8; 64];
+        while let Ok(n) = stdin.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+        }
+        watch.cancel();
+    });
+    let users: Vec<Vec<u8>> = (0..options.users.max(1)).map(live_user).collect();
+    let latencies =
+        crate::bench::probe::probe_lookups(target, keys, settings.layout, users, stop).await?;
+    let mut out = tokio::io::stdout();
+    let json = serde_json::to_vec(&latencies).expect("numbers serialize");
+    out.write_all(&json)
+        .await
+        .map_err(|e| Error::io("writing the latencies", e))?;
+    out.flush()
+        .await
+        .map_err(|e| Error::io("writing the latencies", e))?;
+    Ok(())
+}

@@ -1,0 +1,72 @@
+//! The zone report as a table.
+
+use std::fmt;
+
+use super::ZoneReport;
+
+impl fmt::Display for ZoneReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "redis {} | zone of {} servers x {} users | {} workers x concurrency {} x chunks_in_flight {} | chunk_size {}",
+            self.redis_version,
+            self.servers,
+            self.users_per_server,
+            self.workers,
+            self.concurrency,
+            self.chunks_in_flight,
+            self.chunk_size
+        )?;
+        writeln!(f, "workers: {}", self.worker_exe)?;
+        writeln!(
+            f,
+            "{:>6} {:<14} {:<6} {:>9} {:>10} {:>8} {:>8} {:>8} {:>9} {:>9} {:>9} {:>8} {:>8} {:>6} {:>5} {:>5}",
+            "target", "order", "run", "users", "users/s", "p50 us", "p99 us", "max us",
+            "win p50", "win p99", "win mean", "rss MiB", "cpu s/M", "acked", "stale", "lost"
+        )?;
+        for s in &self.settings {
+            for r in [&s.zone, &s.single] {
+                writeln!(
+                    f,
+                    "{:>6} {:<14} {:<6} {:>9} {:>10.0} {:>8} {:>8} {:>8} {:>8.0}ms {:>7.0}ms {:>7.0}ms {:>8.1} {:>8.2} {:>6} {:>5} {:>5}",
+                    s.latency_target_ms,
+                    s.step_order,
+                    r.name,
+                    r.users,
+                    r.users_per_second,
+                    r.lookup_p50_us,
+                    r.lookup_p99_us,
+                    r.lookup_max_us,
+                    r.stale_window_p50_ms,
+                    r.stale_window_p99_ms,
+                    r.stale_window_mean_ms,
+                    r.worker_peak_rss_bytes as f64 / (1 << 20) as f64,
+                    r.worker_cpu_seconds_per_million_users,
+                    format!("{}/{}", r.acknowledged, r.servers),
+                    r.stale_left,
+                    r.live_lost
+                )?;
+            }
+            writeln!(
+                f,
+                "{:>6} {:<14} throughput vs one server alone: {:.2}x; lookups with Redis idle (the machine's floor): p50 {} us, p99 {} us, max {} us",
+                s.latency_target_ms,
+                s.step_order,
+                s.throughput_vs_single,
+                s.zone.idle_lookup_p50_us,
+                s.zone.idle_lookup_p99_us,
+                s.zone.idle_lookup_max_us
+            )?;
+            writeln!(
+                f,
+                "{:>6} {:<14} slowest command in Redis while the zone was cleaned: {} us ({}), {} over 5 ms",
+                s.latency_target_ms,
+                s.step_order,
+                s.zone.redis_slowest_us,
+                s.zone.redis_slowest_command,
+                s.zone.redis_commands_over_5ms
+            )?;
+        }
+        Ok(())
+    }
+}
