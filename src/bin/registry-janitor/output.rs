@@ -100,6 +100,18 @@ struct StatusText<'a>(&'a Status);
 
 impl fmt::Display for StatusText<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let now = registry_janitor::now_ms();
+        self.stream(f)?;
+        self.servers(f)?;
+        self.fences(f, now)?;
+        self.held(f, now)?;
+        self.evictions(f)
+    }
+}
+
+impl StatusText<'_> {
+    /// The events stream, the group, its consumers, the dead letters.
+    fn stream(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let s = self.0;
         writeln!(
             f,
@@ -127,7 +139,12 @@ impl fmt::Display for StatusText<'_> {
                 c.name, c.pending, c.idle_ms
             )?;
         }
-        writeln!(f, "dead letters    {}", s.dead_letters)?;
+        writeln!(f, "dead letters    {}", s.dead_letters)
+    }
+
+    /// The servers known and dead, and the last Redis outage the reconciler saw.
+    fn servers(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = self.0;
         write!(f, "servers known   {}", s.servers_known)?;
         match s.servers_dead {
             Some(dead) => writeln!(f, " ({dead} dead, not yet cleaned)")?,
@@ -143,6 +160,12 @@ impl fmt::Display for StatusText<'_> {
                 )?,
             }
         }
+        Ok(())
+    }
+
+    /// The fenced servers, and those that tried to write after their verdict.
+    fn fences(&self, f: &mut fmt::Formatter<'_>, now: u64) -> fmt::Result {
+        let s = self.0;
         if let Some(fenced) = s.fenced {
             writeln!(
                 f,
@@ -150,7 +173,6 @@ impl fmt::Display for StatusText<'_> {
                 s.fenced_still_writing.len()
             )?;
         }
-        let now = registry_janitor::now_ms();
         for fence in s.fenced_still_writing.iter().take(20) {
             let last = fence.last_refused_ms.unwrap_or(0);
             let state = if fence.writing(now, s.writing_window_ms) {
@@ -168,6 +190,12 @@ impl fmt::Display for StatusText<'_> {
                 now.saturating_sub(last)
             )?;
         }
+        Ok(())
+    }
+
+    /// The verdicts the guard holds.
+    fn held(&self, f: &mut fmt::Formatter<'_>, now: u64) -> fmt::Result {
+        let s = self.0;
         write!(f, "held verdicts   {}", s.held.len())?;
         if s.held.is_empty() {
             writeln!(f)?;
@@ -180,7 +208,12 @@ impl fmt::Display for StatusText<'_> {
         for hold in s.held.iter().take(20) {
             writeln!(f, "  {}", HoldLine(hold, now))?;
         }
-        if let Some(ev) = &s.evictions {
+        Ok(())
+    }
+
+    /// The evictions stream and its groups, when it is on.
+    fn evictions(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(ev) = &self.0.evictions {
             writeln!(f, "evictions       {} ({} entries)", ev.stream, ev.length)?;
             for g in &ev.groups {
                 let lag = g.lag.map_or("unknown".to_owned(), |l| l.to_string());

@@ -77,7 +77,7 @@ where
     })
 }
 
-/// The real worker path: a `registry-janitor worker` child process, one `server.dead`
+/// The real worker path: a worker child process (`worker_exe worker`), one `server.dead`
 /// event in, its acknowledgement out. With `stale`, the dead server looks alive and the
 /// stale-window probes run from before the event to its acknowledgement (see
 /// [`StaleProbes`]).
@@ -156,14 +156,14 @@ pub(super) async fn janitor_run(
     run
 }
 
-/// A `registry-janitor worker` process on the scene's keys, configured by `JANITOR_*`.
+/// A worker process on the scene's keys, configured by `JANITOR_*`.
 fn spawn_worker(settings: &Settings, scene: &Scene, worker_exe: &Path) -> Result<Child> {
     worker_command(settings, scene.keys.prefix(), worker_exe)
         .spawn()
         .map_err(|e| Error::io(format!("starting {}", worker_exe.display()), e))
 }
 
-/// The command of a `registry-janitor worker` of `worker_exe` on the keys under `prefix`,
+/// The command of a worker (`worker_exe worker`) on the keys under `prefix`,
 /// configured by `JANITOR_*` from `settings` (no metrics, short reads, warnings only),
 /// killed when dropped. The zone benchmark adds its own settings.
 pub(super) fn worker_command(

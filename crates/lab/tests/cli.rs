@@ -1,5 +1,6 @@
-//! `registry-janitor-lab demo` as a new user runs it: real processes, configured through
-//! `JANITOR_*` variables only, against a real redis-server or a local cluster it starts.
+//! The `registry-janitor-lab` binary as a new user runs it: real processes, configured
+//! through `JANITOR_*` variables only, against a real redis-server or a local cluster it
+//! starts.
 
 mod common;
 
@@ -66,5 +67,32 @@ fn the_demo_verifies_its_run_on_a_node_and_on_a_local_cluster() {
                 .unwrap();
             assert_eq!(keys, 0, "the demo left keys behind: {what}");
         }
+    }
+}
+
+/// `registry-janitor-lab --help` lists `demo` and `bench`; the processes the benchmark
+/// starts (`worker`, `bench-probe`) are hidden but run.
+#[test]
+fn the_lab_lists_the_demo_and_the_bench() {
+    let out = Command::new(env!("CARGO_BIN_EXE_registry-janitor-lab"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let help = String::from_utf8(out.stdout).unwrap();
+    let commands: Vec<&str> = help
+        .lines()
+        .skip_while(|l| !l.starts_with("Commands:"))
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    assert_eq!(commands, ["demo", "bench", "help"], "{help}");
+    for hidden in ["worker", "bench-probe"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_registry-janitor-lab"))
+            .args([hidden, "--help"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "`{hidden}` runs");
     }
 }
