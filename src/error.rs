@@ -49,8 +49,8 @@ pub enum Error {
     #[error("a task failed: {0}")]
     Task(#[from] tokio::task::JoinError),
 
-    /// A private `redis-server` (the testkit's, for the tests, the demo and the benchmark)
-    /// is missing, did not start, or a local cluster of them did not form.
+    /// A private `redis-server` (the one `registry-janitor-lab` starts for the demo and the
+    /// benchmark) is missing, did not start, or a local cluster of them did not form.
     #[error("local redis-server: {0}")]
     LocalRedis(String),
 

@@ -98,7 +98,12 @@ pub(crate) async fn start_server() -> Result<RedisServer> {
         .map_err(local)
 }
 
-/// A failure of the test harness, as the library's error.
+/// A failure of a private Redis, as the library's error.
 fn local(e: registry_janitor_testkit::Error) -> Error {
-    Error::LocalRedis(e.to_string())
+    use registry_janitor_testkit::Error as Local;
+    match e {
+        Local::LocalRedis(what) => Error::LocalRedis(what),
+        Local::Io { context, source } => Error::io(context, source),
+        Local::Redis(e) => Error::Redis(e),
+    }
 }
