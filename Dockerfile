@@ -15,6 +15,8 @@ COPY Cargo.toml Cargo.lock ./
 # manifests to resolve the workspace; only the service crate is built.
 COPY crates ./crates
 COPY src ./src
+# The connection-server scripts, compiled into the binary.
+COPY protocol ./protocol
 COPY schemas ./schemas
 # BuildKit cache mounts keep the crate registry and target/ between builds; the binary is
 # copied out of the cached target/ because cache mounts are not part of the image.
