@@ -23,7 +23,7 @@ use crate::{
 
 /// The settings given as flags, which override the file and the environment; global to
 /// every subcommand.
-#[derive(Debug, Clone, Default, clap::Args)]
+#[derive(Debug, Clone, clap::Args)]
 pub struct SettingsFlags {
     /// TOML settings file (also JANITOR_CONFIG).
     #[arg(long, global = true, value_name = "FILE")]
