@@ -858,7 +858,7 @@ async fn fencing_holds_on_a_cluster() {
 
 /// A fenced server's `register` on a cluster must not take away the entry of a user who
 /// is registered on a live server: on one node register.lua writes nothing when fenced,
-/// and the README says "`FENCED` (nothing written)". On a cluster the forward entry is
+/// and docs/specification.md says "`FENCED` (nothing written)". On a cluster the forward entry is
 /// written before the fence check and released after, which deletes the live entry.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_register_on_a_cluster_leaves_a_live_servers_entry() {

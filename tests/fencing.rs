@@ -391,7 +391,7 @@ async fn live_servers_write_on_through_a_cleanup() {
 }
 
 /// unregister.lua answers the number of forward entries it deleted (its header and the
-/// README's table): a user who reconnected elsewhere has no entry of ours, so 0.
+/// specification's table, docs/specification.md): a user who reconnected elsewhere has no entry of ours, so 0.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unregister_answers_the_number_of_entries_it_deleted() {
     let f = Fixture::new(Layout::Hash);

@@ -316,7 +316,7 @@ const CONSUMER: &str = concat!(
     "/examples/evictions_consumer.py"
 );
 
-/// examples/evictions_consumer.py (the README's "Reacting to evictions"), run as a real
+/// examples/evictions_consumer.py (docs/specification.md, "The evictions stream"), run as a real
 /// process after a real worker cleaned a dead server: the dead server's users leave
 /// `presence:online` and their rooms; a user who came back after the eviction and the live
 /// server's users stay; everything read is acknowledged; a second run finds nothing to do.
