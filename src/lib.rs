@@ -80,6 +80,7 @@ pub mod keys;
 pub mod maintenance;
 pub mod metrics;
 pub mod receiver;
+pub(crate) mod reply;
 pub mod reconcile;
 pub mod registry;
 pub mod retry;

@@ -92,6 +92,10 @@ pub struct Metrics {
     pub evictions_entries: IntCounter,
     /// Users announced in those entries.
     pub evictions_users: IntCounter,
+    /// Users of a cluster cleanup (layout `keys`) that a master's check-and-delete script
+    /// left to the per-slot scripts: their slot moved or was moving, or the node did not
+    /// answer.
+    pub cluster_users_rechecked: IntCounter,
     /// 1 while Redis answers PING, 0 while it does not (see [`crate::health::watch_redis`]).
     pub redis_up: IntGauge,
     /// How long Redis has been reachable without a break, as the reconciler knows it
@@ -241,9 +245,14 @@ impl Metrics {
             "registry_janitor_evictions_users_total",
             "Users announced in users.evicted entries of the evictions stream",
         );
+        let cluster_users_rechecked = counter(
+            "registry_janitor_cluster_users_rechecked_total",
+            "Users a master's check-and-delete script left to the per-slot scripts (cluster, layout keys)",
+        );
         for c in [
             Box::new(evictions_entries.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(evictions_users.clone()),
+            Box::new(cluster_users_rechecked.clone()),
             Box::new(reconcile_passes.clone()),
             Box::new(reconcile_dead_found.clone()),
             Box::new(drift_entries_removed.clone()),
@@ -430,6 +439,7 @@ impl Metrics {
             fenced_servers_writing,
             evictions_entries,
             evictions_users,
+            cluster_users_rechecked,
             redis_up,
             reconcile_reachable_seconds,
             reconcile_outages,
@@ -479,11 +489,6 @@ impl Metrics {
             .filter(|f| f.writing(now, writing_window_ms))
             .count();
         self.fenced_servers_writing.set(writing as i64);
-    }
-
-    /// Count of events with `outcome`.
-    pub fn events_with(&self, outcome: &str) -> u64 {
-        self.events.with_label_values(&[outcome]).get()
     }
 
     /// The text exposition format, as served on /metrics.

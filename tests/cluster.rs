@@ -35,7 +35,7 @@ impl ClusterFixture {
     ) -> Option<Self> {
         init_logs();
         if !RedisCluster::supported() {
-            eprintln!("SKIPPED: this redis-server cannot run a cluster (or redis-cli is missing)");
+            cannot_run("this redis-server cannot run a cluster (or redis-cli is missing)");
             return None;
         }
         let cluster = tokio::task::spawn_blocking(move || RedisCluster::start(masters, replicas))
@@ -138,7 +138,7 @@ async fn cleans_dead_servers_on_a_cluster(layout: Layout) {
     assert!(announced.iter().all(|(s, _)| s != live.as_str()));
     assert_eq!(cleaned.len(), 2, "{cleaned:?}");
     worker.settled().await;
-    assert_eq!(worker.metrics.events_with(outcome::CLEANED), 2);
+    assert_eq!(events_with(&worker.metrics, outcome::CLEANED), 2);
     assert_eq!(worker.metrics.entries_deleted.get(), 3_999);
     assert_eq!(worker.metrics.entries_kept.get(), 1);
     worker.stop().await;
@@ -1112,7 +1112,6 @@ async fn a_live_reshard_during_the_cleanup_loses_nothing() {
     for u in moved_before {
         f.registry.register(&f.conn, u, &live).await.unwrap();
     }
-    let fallbacks_before = registry_janitor::forward::fallback_users();
 
     // Reshards one after another until told to stop: 0 -> 1, 1 -> 2, 2 -> 0, ...
     let stop = Arc::new(AtomicBool::new(false));
@@ -1166,7 +1165,10 @@ async fn a_live_reshard_during_the_cleanup_loses_nothing() {
     f.cluster
         .wait_settled(Duration::from_secs(60))
         .expect("the cluster settles");
-    let fallbacks = registry_janitor::forward::fallback_users() - fallbacks_before;
+    let fallbacks = counter_of(
+        &worker.metrics,
+        "registry_janitor_cluster_users_rechecked_total",
+    );
     eprintln!(
         "reshards started before the acknowledgement: {reshards_at_ack}, done: {done}; \
          users checked slot by slot after a master's script: {fallbacks}"

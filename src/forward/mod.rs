@@ -10,7 +10,9 @@ use std::sync::LazyLock;
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
 
-use crate::{config::Layout, conn::RedisConn, error::Result, event::ServerId, keys::Keys};
+use crate::{
+    config::Layout, conn::RedisConn, error::Result, event::ServerId, keys::Keys, reply::Fields,
+};
 
 /// The shared Lua prelude (see owners.lua), with the evictions stream's writer
 /// (evictions/announce.lua), so that the scripts that delete also announce.
@@ -41,6 +43,54 @@ pub struct Checked {
     pub deleted_users: Vec<Vec<u8>>,
     /// The users who had no entry at all.
     pub absent_users: Vec<Vec<u8>>,
+    /// Users that a master's script on a cluster did not check (their slot moved or is
+    /// moving, or the script failed) and that went through the per-slot scripts.
+    pub rechecked: u64,
+}
+
+/// What check_delete.lua replies: {deleted, kept, positions deleted, positions absent}
+/// (positions count from 1 in the users given).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct SlotReply {
+    deleted: u64,
+    kept: u64,
+    deleted_at: Vec<usize>,
+    absent_at: Vec<usize>,
+}
+
+impl redis::FromRedisValue for SlotReply {
+    fn from_redis_value(v: redis::Value) -> std::result::Result<Self, redis::ParsingError> {
+        let mut f = Fields::new("check_delete.lua", v, 4)?;
+        Ok(SlotReply {
+            deleted: f.next("deleted")?,
+            kept: f.next("kept")?,
+            deleted_at: f.next("deleted positions")?,
+            absent_at: f.next("absent positions")?,
+        })
+    }
+}
+
+/// What check_delete_node.lua replies: check_delete.lua's fields, and the positions of
+/// the users whose slot that node does not serve.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct NodeReply {
+    slot: SlotReply,
+    elsewhere_at: Vec<usize>,
+}
+
+impl redis::FromRedisValue for NodeReply {
+    fn from_redis_value(v: redis::Value) -> std::result::Result<Self, redis::ParsingError> {
+        let mut f = Fields::new("check_delete_node.lua", v, 5)?;
+        Ok(NodeReply {
+            slot: SlotReply {
+                deleted: f.next("deleted")?,
+                kept: f.next("kept")?,
+                deleted_at: f.next("deleted positions")?,
+                absent_at: f.next("absent positions")?,
+            },
+            elsewhere_at: f.next("positions served elsewhere")?,
+        })
+    }
 }
 
 /// Check-and-delete of `users`' forward entries that still name `server`. Kept are
@@ -63,17 +113,6 @@ pub async fn check_delete(
         return check_delete_by_node(conn, keys, server, users).await;
     }
     check_delete_by_slot(conn, keys, layout, server, users.iter().collect()).await
-}
-
-/// Users that a master's script did not check (their slot moved or is moving, or the
-/// script failed) and that went through the per-slot scripts, in this process.
-static FALLBACK_USERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// How many users, in this process so far, a master's check-and-delete script on a
-/// cluster left to the per-slot scripts (a slot moving, a node not answering). For tests
-/// and diagnostics.
-pub fn fallback_users() -> u64 {
-    FALLBACK_USERS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// The script of one master: `check_delete.lua` for many slots (see the script).
@@ -132,7 +171,16 @@ async fn check_delete_by_node(
         in_flight.push(async move { (on_node(conn, slot, cmd).await, users) });
     }
     while let Some((reply, users)) = in_flight.next().await {
-        let (deleted, kept, deleted_at, absent_at, elsewhere_at) = match reply {
+        let NodeReply {
+            slot:
+                SlotReply {
+                    deleted,
+                    kept,
+                    deleted_at,
+                    absent_at,
+                },
+            elsewhere_at,
+        } = match reply {
             Ok(reply) => reply,
             Err(e) => {
                 tracing::debug!(error = %e, users = users.len(), "a master's check-and-delete failed: checking its users slot by slot");
@@ -156,7 +204,7 @@ async fn check_delete_by_node(
             users = elsewhere.len(),
             "users not served where the slot map said: checking them slot by slot"
         );
-        FALLBACK_USERS.fetch_add(elsewhere.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        checked.rechecked += elsewhere.len() as u64;
         conn.forget_slot_owners();
         let more = check_delete_by_slot(conn, keys, Layout::Keys, server, elsewhere).await?;
         checked.deleted += more.deleted;
@@ -166,10 +214,6 @@ async fn check_delete_by_node(
     }
     Ok(checked)
 }
-
-/// What `check_delete_node.lua` returns: deleted, kept, and the positions deleted,
-/// absent, and not served by that node.
-type NodeReply = (u64, u64, Vec<usize>, Vec<usize>, Vec<usize>);
 
 /// `cmd` (an EVALSHA of `check_delete_node.lua`) on the master of `slot`, loading the
 /// script there first if that node does not have it.
@@ -185,8 +229,7 @@ async fn on_node(conn: &RedisConn, slot: u16, cmd: redis::Cmd) -> Result<NodeRep
         }
         other => other?,
     };
-    redis::from_redis_value(reply)
-        .map_err(|e| crate::error::Error::Protocol(format!("check_delete_node.lua replied: {e}")))
+    redis::from_redis_value(reply).map_err(|e| crate::error::Error::Protocol(e.to_string()))
 }
 
 /// Check-and-delete of `users`' forward entries that still name `server`: one script per
@@ -244,8 +287,7 @@ async fn check_delete_by_slot(
             };
             let mut c = conn.clone();
             in_flight.push(async move {
-                type Reply = (u64, u64, Vec<usize>, Vec<usize>);
-                call.invoke_async::<Reply>(&mut c)
+                call.invoke_async::<SlotReply>(&mut c)
                     .await
                     .map(|reply| (reply, users))
             });
@@ -253,7 +295,15 @@ async fn check_delete_by_slot(
         let Some(reply) = in_flight.next().await else {
             break;
         };
-        let ((deleted, kept, deleted_at, absent_at), users) = reply?;
+        let (
+            SlotReply {
+                deleted,
+                kept,
+                deleted_at,
+                absent_at,
+            },
+            users,
+        ) = reply?;
         checked.deleted += deleted;
         checked.kept += kept;
         let at = |i: usize| users.get(i.wrapping_sub(1)).map(|u| (*u).clone());

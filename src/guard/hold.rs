@@ -32,6 +32,7 @@ use crate::{
     error::{Error, Result},
     event::{ServerDead, ServerId},
     keys::{Keys, GROUP},
+    reply::Fields,
     stream,
 };
 
@@ -288,7 +289,7 @@ impl Guard {
             reason: event.reason.clone(),
         };
         let record = serde_json::to_string(&hold).map_err(|e| Error::Protocol(e.to_string()))?;
-        let (answer, detail): (String, String) = HOLD
+        let answer: HoldAnswer = HOLD
             .key(self.keys.guard_held())
             .key(self.keys.guard_disputed())
             .arg(server.as_str())
@@ -304,17 +305,17 @@ impl Guard {
             .arg(self.disputed_limit)
             .invoke_async(&mut conn.clone())
             .await?;
-        match answer.as_str() {
-            "proceed" => Ok(Decision::Proceed {
+        match answer {
+            HoldAnswer::Proceed => Ok(Decision::Proceed {
                 released: false,
                 let_through: doubt.is_some(),
             }),
-            "hold" => Ok(Decision::Hold {
+            HoldAnswer::Hold { holds_before } => Ok(Decision::Hold {
                 hold,
-                first: detail == "0",
+                first: holds_before == "0",
             }),
-            "recorded" => {
-                let standing = parse_hold(&detail)?;
+            HoldAnswer::Recorded { hold: standing } => {
+                let standing = parse_hold(&standing)?;
                 Ok(if standing.entry != entry {
                     if standing.state == HoldState::Released {
                         Decision::Proceed {
@@ -335,7 +336,6 @@ impl Guard {
                     Decision::Park
                 })
             }
-            other => Err(Error::Protocol(format!("hold.lua answered {other}"))),
         }
     }
 
@@ -466,7 +466,7 @@ pub async fn release(
     hold: &Hold,
     claim_min_idle_ms: u64,
 ) -> Result<bool> {
-    let (done, _): (i64, i64) = FORGET
+    let forgot: Forgot = FORGET
         .key(keys.guard_held())
         .arg(&hold.server_id)
         .arg(&hold.entry)
@@ -474,10 +474,10 @@ pub async fn release(
         .arg("held")
         .invoke_async(&mut conn.clone())
         .await?;
-    if done == 1 {
+    if forgot.changed {
         park(conn, keys, &hold.entry, claim_min_idle_ms).await?;
     }
-    Ok(done == 1)
+    Ok(forgot.changed)
 }
 
 /// Discards a held verdict on an operator's word: its entry goes to the dead-letter
@@ -488,7 +488,7 @@ pub async fn discard(conn: &RedisConn, keys: &Keys, hold: &Hold, why: &str) -> R
     // its server now) is not discarded. A discard that stopped half-way is finished by
     // the next one.
     if hold.state != HoldState::Discarding {
-        let (done, _): (i64, i64) = FORGET
+        let forgot: Forgot = FORGET
             .key(keys.guard_held())
             .arg(&hold.server_id)
             .arg(&hold.entry)
@@ -496,7 +496,7 @@ pub async fn discard(conn: &RedisConn, keys: &Keys, hold: &Hold, why: &str) -> R
             .arg("held")
             .invoke_async(&mut conn.clone())
             .await?;
-        if done == 0 {
+        if !forgot.changed {
             return Ok(false);
         }
     }
@@ -525,7 +525,7 @@ pub async fn discard(conn: &RedisConn, keys: &Keys, hold: &Hold, why: &str) -> R
 /// Forgets the hold of `entry` against `server`; the holds left, or None if the hold
 /// was not (or no longer) the one of this entry.
 async fn forget(conn: &RedisConn, keys: &Keys, server: &str, entry: &str) -> Result<Option<i64>> {
-    let (done, left): (i64, i64) = FORGET
+    let forgot: Forgot = FORGET
         .key(keys.guard_held())
         .arg(server)
         .arg(entry)
@@ -533,14 +533,14 @@ async fn forget(conn: &RedisConn, keys: &Keys, server: &str, entry: &str) -> Res
         .arg("")
         .invoke_async(&mut conn.clone())
         .await?;
-    if done == 1 && left == 0 {
+    if forgot.changed && forgot.holds_left == 0 {
         warn!("guard: the hold ended, no verdict is held");
     }
-    Ok((done == 1).then_some(left))
+    Ok(forgot.changed.then_some(forgot.holds_left))
 }
 
 async fn park(conn: &RedisConn, keys: &Keys, entry: &str, idle_ms: u64) -> Result<bool> {
-    let parked: i64 = PARK
+    let parked: bool = PARK
         .key(keys.events())
         .arg(GROUP)
         .arg(HELD_CONSUMER)
@@ -548,7 +548,62 @@ async fn park(conn: &RedisConn, keys: &Keys, entry: &str, idle_ms: u64) -> Resul
         .arg(idle_ms)
         .invoke_async(&mut conn.clone())
         .await?;
-    Ok(parked == 1)
+    Ok(parked)
+}
+
+/// hold.lua's reply, {answer, detail}.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum HoldAnswer {
+    /// The verdict goes ahead (`proceed`).
+    Proceed,
+    /// The verdict is held now; `holds_before` is how many were held before it (`hold`).
+    Hold { holds_before: String },
+    /// A hold stands for this server: its record, as JSON (`recorded`).
+    Recorded { hold: String },
+}
+
+impl redis::FromRedisValue for HoldAnswer {
+    fn from_redis_value(v: redis::Value) -> std::result::Result<Self, redis::ParsingError> {
+        let mut f = Fields::new("hold.lua", v, 2)?;
+        #[derive(Clone, Copy)]
+        enum Answer {
+            Proceed,
+            Hold,
+            Recorded,
+        }
+        let answer = f.state("answer", |s| match s {
+            "proceed" => Some(Answer::Proceed),
+            "hold" => Some(Answer::Hold),
+            "recorded" => Some(Answer::Recorded),
+            _ => None,
+        })?;
+        let detail: String = f.next("detail")?;
+        Ok(match answer {
+            Answer::Proceed => HoldAnswer::Proceed,
+            Answer::Hold => HoldAnswer::Hold {
+                holds_before: detail,
+            },
+            Answer::Recorded => HoldAnswer::Recorded { hold: detail },
+        })
+    }
+}
+
+/// forget.lua's reply, {changed (0/1), holds left}.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Forgot {
+    /// The hold was the one of the entry, and was changed (or forgotten).
+    changed: bool,
+    holds_left: i64,
+}
+
+impl redis::FromRedisValue for Forgot {
+    fn from_redis_value(v: redis::Value) -> std::result::Result<Self, redis::ParsingError> {
+        let mut f = Fields::new("forget.lua", v, 2)?;
+        Ok(Forgot {
+            changed: f.next("changed")?,
+            holds_left: f.next("holds left")?,
+        })
+    }
 }
 
 /// Whether the stream still holds `entry`.

@@ -77,7 +77,7 @@ impl Reconciler {
             self.keys.server_users(server),
             self.keys.server_moved(server),
         );
-        let (next, members, due): (String, Vec<Vec<u8>>, Vec<Vec<u8>>) = REVERSE_PAGE
+        let ReversePage { next, members, due } = REVERSE_PAGE
             .key(&users)
             .key(&moved)
             .arg(cursor)
@@ -317,5 +317,25 @@ impl Reconciler {
         .await?;
         self.metrics.observe_evictions(entries, users.len() as u64);
         Ok(())
+    }
+}
+
+/// reverse_page_cluster.lua's reply: {next cursor, members of the page, members set
+/// aside that are due for settling}.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ReversePage {
+    next: String,
+    members: Vec<Vec<u8>>,
+    due: Vec<Vec<u8>>,
+}
+
+impl redis::FromRedisValue for ReversePage {
+    fn from_redis_value(v: redis::Value) -> std::result::Result<Self, redis::ParsingError> {
+        let mut f = crate::reply::Fields::new("reverse_page_cluster.lua", v, 3)?;
+        Ok(ReversePage {
+            next: f.next("next cursor")?,
+            members: f.next("members")?,
+            due: f.next("due")?,
+        })
     }
 }

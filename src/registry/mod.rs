@@ -40,7 +40,10 @@
 //! the original protocol does (MULTI HSET/SADD, no fence check): the janitor still cleans
 //! such late writes before it acknowledges, but the writer is never told it is dead.
 
-use std::sync::LazyLock;
+use std::sync::{
+    atomic::{AtomicBool, Ordering},
+    Arc, LazyLock,
+};
 
 use crate::conn::RedisConn;
 
@@ -77,11 +80,35 @@ fn unless_fenced<T>(reply: redis::RedisResult<T>, server: &ServerId) -> Result<T
 pub struct Registry {
     keys: Keys,
     layout: Layout,
+    /// Redis (or a proxy in front of it) refused EVALSHA_RO as unknown: route.lua runs
+    /// as EVALSHA.
+    read_only_refused: Arc<AtomicBool>,
+}
+
+/// route.lua's reply: the owner, or `false` (nil under RESP2, a boolean under RESP3)
+/// when there is none to route to.
+struct Routed(Option<String>);
+
+impl redis::FromRedisValue for Routed {
+    fn from_redis_value(v: redis::Value) -> std::result::Result<Self, redis::ParsingError> {
+        crate::reply::text_or_false("route.lua", v).map(Routed)
+    }
+}
+
+/// An "unknown command" refusal (a server or proxy that does not know the command).
+fn is_unknown_command(e: &redis::RedisError) -> bool {
+    e.code() == Some("ERR")
+        && e.detail()
+            .is_some_and(|d| d.to_ascii_lowercase().contains("unknown command"))
 }
 
 impl Registry {
     pub fn new(keys: Keys, layout: Layout) -> Self {
-        Registry { keys, layout }
+        Registry {
+            keys,
+            layout,
+            read_only_refused: Arc::default(),
+        }
     }
 
     pub fn keys(&self) -> &Keys {
@@ -307,12 +334,7 @@ impl Registry {
     /// cluster, in two single-slot steps: the owner, then its fence and liveness keys.
     pub async fn route(&self, conn: &RedisConn, user: &[u8]) -> Result<Option<String>> {
         if !conn.is_cluster() {
-            let mut call = ROUTE.prepare_invoke();
-            call.key(self.forward_key(user))
-                .arg(user)
-                .arg(self.layout.as_str())
-                .arg(self.keys.prefix());
-            return Ok(call.invoke_async(&mut conn.clone()).await?);
+            return self.route_on_node(conn, user).await;
         }
         let Some(owner) = self.owner(conn, user).await? else {
             return Ok(None);
@@ -326,6 +348,52 @@ impl Registry {
             .query_async(&mut conn.clone())
             .await?;
         Ok((alive && !fenced).then_some(owner))
+    }
+
+    /// [`Registry::route`] on one node: route.lua as EVALSHA_RO (loaded first if Redis
+    /// does not have it). Where EVALSHA_RO is refused as unknown (a proxy may not know
+    /// it), as EVALSHA from then on.
+    async fn route_on_node(&self, conn: &RedisConn, user: &[u8]) -> Result<Option<String>> {
+        let forward = self.forward_key(user);
+        let call = |command: &str| {
+            redis::cmd(command)
+                .arg(ROUTE.get_hash())
+                .arg(1)
+                .arg(&forward)
+                .arg(user)
+                .arg(self.layout.as_str())
+                .arg(self.keys.prefix())
+                .to_owned()
+        };
+        let read_only = !self.read_only_refused.load(Ordering::Relaxed);
+        let command = if read_only { "EVALSHA_RO" } else { "EVALSHA" };
+        let routed = match call(command).query_async::<Routed>(&mut conn.clone()).await {
+            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                ROUTE.load_async(&mut conn.clone()).await?;
+                call(command).query_async(&mut conn.clone()).await
+            }
+            Err(e) if read_only && is_unknown_command(&e) => {
+                self.read_only_refused.store(true, Ordering::Relaxed);
+                let mut call = ROUTE.prepare_invoke();
+                call.key(&forward)
+                    .arg(user)
+                    .arg(self.layout.as_str())
+                    .arg(self.keys.prefix());
+                call.invoke_async(&mut conn.clone()).await
+            }
+            other => other,
+        };
+        match routed {
+            Ok(Routed(owner)) => Ok(owner),
+            Err(e) if e.detail().is_some_and(|d| d.contains("no-cluster")) => {
+                Err(Error::Protocol(format!(
+                    "route.lua runs on one Redis node only ({e}): this Redis is a cluster; \
+                     connect to it as a cluster (setting `redis_cluster`), where route reads the owner, then its fence and \
+                     liveness keys, in single-slot steps"
+                )))
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// The server a user's forward entry names, if any.

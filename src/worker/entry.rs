@@ -230,6 +230,7 @@ impl Worker {
                 .clean_event(&self.conn, server, Some(origin), abandon, |step| {
                     metrics.entries_deleted.inc_by(step.deleted);
                     metrics.entries_kept.inc_by(step.kept);
+                    metrics.cluster_users_rechecked.inc_by(step.rechecked);
                     metrics.observe_evictions(step.announced, step.announced_users);
                 });
         let cleaned = tokio::select! {

@@ -32,6 +32,17 @@ pub fn redis() -> RedisServer {
 }
 
 /// Worker logs go to the test's captured output, shown when a test fails.
+/// A test that cannot run where it is (no cluster, no sentinels, a tool missing): under
+/// CI (env `CI` set, other than `0` or `false`) it fails with `why`; elsewhere it is
+/// skipped with `why` printed. The one place of that rule.
+pub fn cannot_run(why: &str) {
+    let ci = std::env::var("CI").unwrap_or_default();
+    if !matches!(ci.trim().to_ascii_lowercase().as_str(), "" | "0" | "false") {
+        panic!("CI is set, and this test cannot run: {why}");
+    }
+    eprintln!("SKIPPED: {why}");
+}
+
 pub fn init_logs() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
@@ -527,6 +538,20 @@ pub fn http_get(addr: &str, path: &str) -> (u16, String) {
         .map(|(_, b)| b.to_owned())
         .unwrap_or_default();
     (status, body)
+}
+
+/// Events a worker handled with `outcome`, as its /metrics text says
+/// (`registry_janitor_events_total{outcome=...}`; 0 before the first).
+pub fn events_with(metrics: &Metrics, outcome: &str) -> u64 {
+    counter_of(
+        metrics,
+        &format!("registry_janitor_events_total{{outcome=\"{outcome}\"}}"),
+    )
+}
+
+/// One counter of a process's metrics, as its /metrics text says (0 before the first).
+pub fn counter_of(metrics: &Metrics, series: &str) -> u64 {
+    sample(&metrics.render(), series).unwrap_or(0.0) as u64
 }
 
 /// The value of one sample in a Prometheus text exposition (`name{labels}` as written).
