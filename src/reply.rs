@@ -21,13 +21,21 @@ pub(crate) struct Fields {
 
 impl Fields {
     /// The `len` fields of `reply`, a table from `script`.
-    pub(crate) fn new(script: &'static str, reply: Value, len: usize) -> Result<Self, ParsingError> {
+    pub(crate) fn new(
+        script: &'static str,
+        reply: Value,
+        len: usize,
+    ) -> Result<Self, ParsingError> {
         match reply {
             Value::Array(items) if items.len() == len => Ok(Fields {
                 script,
                 items: items.into_iter(),
             }),
-            other => Err(malformed(script, &format!("a table of {len} fields"), &other)),
+            other => Err(malformed(
+                script,
+                &format!("a table of {len} fields"),
+                &other,
+            )),
         }
     }
 
@@ -112,7 +120,9 @@ mod tests {
             .err()
             .expect("one field where two are due");
         assert!(err.to_string().contains("x.lua"), "{err}");
-        let err = Fields::new("x.lua", Value::Int(1), 1).err().expect("not a table");
+        let err = Fields::new("x.lua", Value::Int(1), 1)
+            .err()
+            .expect("not a table");
         assert!(err.to_string().contains("x.lua"), "{err}");
     }
 
@@ -136,10 +146,17 @@ mod tests {
 
     #[test]
     fn states_outside_the_known_ones_are_errors() {
-        let mut fields =
-            Fields::new("x.lua", Value::Array(vec![Value::BulkString(b"odd".to_vec())]), 1)
-                .unwrap();
-        assert!(fields.state("answer", |s| (s == "done").then_some(())).is_err());
-        assert!(int_state("x.lua", "a verdict", Value::Int(9), |n| (n == 1).then_some(())).is_err());
+        let mut fields = Fields::new(
+            "x.lua",
+            Value::Array(vec![Value::BulkString(b"odd".to_vec())]),
+            1,
+        )
+        .unwrap();
+        assert!(fields
+            .state("answer", |s| (s == "done").then_some(()))
+            .is_err());
+        assert!(int_state("x.lua", "a verdict", Value::Int(9), |n| (n == 1)
+            .then_some(()))
+        .is_err());
     }
 }

@@ -605,3 +605,43 @@ async fn a_limited_worker_cleans_smallest_first() {
 async fn a_limited_worker_cleans_round_robin() {
     limited_worker_cleans("round_robin").await;
 }
+
+/// Under RESP3 (`?protocol=resp3`) the scripts' replies decode as under RESP2: a cleanup
+/// runs to its end, and route answers the owner, or none (Lua `false`, a boolean there).
+#[tokio::test]
+async fn cleans_and_routes_under_resp3() {
+    let f = Fixture::with(Layout::Hash, |s| {
+        s.redis_url = format!("{}?protocol=resp3", s.redis_url)
+    });
+    let client: String = f.query(&mut redis::cmd("CLIENT").arg("INFO")).await;
+    assert!(client.contains("resp=3"), "{client}");
+    let (dead, live) = (server("gw-dead#1"), server("gw-live#1"));
+    f.seed(&dead, 1_000).await;
+    f.registry
+        .register(&f.conn, b"u-live", &live)
+        .await
+        .unwrap();
+    f.registry.heartbeat(&f.conn, &live, 60_000).await.unwrap();
+    assert_eq!(
+        f.registry
+            .route(&f.conn, b"u-live")
+            .await
+            .unwrap()
+            .as_deref(),
+        Some("gw-live#1")
+    );
+    assert_eq!(f.registry.route(&f.conn, b"nobody").await.unwrap(), None);
+
+    let worker = spawn_worker(&f.settings);
+    f.kill(&dead).await;
+    f.wait_idle().await;
+    assert_eq!(f.still_pointing(&dead, 1_000).await, 0);
+    assert_eq!(
+        f.registry.route(&f.conn, &user(&dead, 1)).await.unwrap(),
+        None
+    );
+    worker.settled().await;
+    assert_eq!(events_with(&worker.metrics, outcome::CLEANED), 1);
+    assert_eq!(worker.metrics.entries_deleted.get(), 1_000);
+    worker.stop().await;
+}

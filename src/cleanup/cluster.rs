@@ -329,12 +329,7 @@ impl Cleaner {
         .await
     }
 
-    async fn cluster_scan(
-        &self,
-        conn: &RedisConn,
-        server: &ServerId,
-        epoch: u64,
-    ) -> Result<Chunk> {
+    async fn cluster_scan(&self, conn: &RedisConn, server: &ServerId, epoch: u64) -> Result<Chunk> {
         let mut call = CLUSTER_SCAN.prepare_invoke();
         call.key(self.keys.server_users(server))
             .key(self.keys.server_walking(server))
@@ -404,7 +399,11 @@ mod tests {
     #[test]
     fn advance_replies_decode_into_named_answers() {
         let advance = |answer: &str| {
-            Advance::from_redis_value(Value::Array(vec![bulk(answer), Value::Int(5), Value::Int(2)]))
+            Advance::from_redis_value(Value::Array(vec![
+                bulk(answer),
+                Value::Int(5),
+                Value::Int(2),
+            ]))
         };
         assert_eq!(advance("done").unwrap().advanced, Advanced::Done);
         assert_eq!(advance("again").unwrap().advanced, Advanced::Again);

@@ -151,7 +151,11 @@ impl Cleaner {
             kept: reply.kept,
             announced: reply.announced,
             // On one node exactly the users the step deleted.
-            announced_users: if reply.announced > 0 { reply.deleted } else { 0 },
+            announced_users: if reply.announced > 0 {
+                reply.deleted
+            } else {
+                0
+            },
             execution_us: reply.execution_us,
             rechecked: 0,
         })
@@ -220,7 +224,14 @@ impl NodeWalk<'_> {
 
     async fn step_in(&self, mode: WalkMode, size: usize) -> Result<Step> {
         self.cleaner
-            .step_sized(self.conn, self.server, mode, self.event_id, self.entry, size)
+            .step_sized(
+                self.conn,
+                self.server,
+                mode,
+                self.event_id,
+                self.entry,
+                size,
+            )
             .await
     }
 
@@ -265,7 +276,13 @@ impl redis::FromRedisValue for StepReply {
         let done = match done {
             0 => false,
             1 => true,
-            n => return Err(malformed(f.script(), "done 0 or 1", &redis::Value::Int(n.into()))),
+            n => {
+                return Err(malformed(
+                    f.script(),
+                    "done 0 or 1",
+                    &redis::Value::Int(n.into()),
+                ))
+            }
         };
         Ok(StepReply {
             done,

@@ -62,18 +62,18 @@ impl Reconciler {
             .arg(event.encode())
             .arg(marker_ttl)
             .arg(if hold.is_ready() { "0" } else { "1" });
-        let reported: Reported = call.invoke_async(&mut self.conn.clone()).await?;
-        Ok(match reported {
-            Reported::Published { entry } => {
+        let found: Found = call.invoke_async(&mut self.conn.clone()).await?;
+        Ok(match found {
+            Found::Published { entry } => {
                 self.metrics.reconcile_dead_found.inc();
                 info!(server_id = %server, entry = %entry, event_id = %event.event_id, "server is dead; published server.dead");
                 Verdict::Published(entry)
             }
-            Reported::Alive => Verdict::Alive,
-            Reported::TooRecent { heartbeat_ms } => Verdict::TooRecent { heartbeat_ms },
-            Reported::AlreadyReported => Verdict::AlreadyReported,
-            Reported::FencedClean => Verdict::FencedClean,
-            Reported::Waiting => Verdict::Waiting {
+            Found::Alive => Verdict::Alive,
+            Found::TooRecent { heartbeat_ms } => Verdict::TooRecent { heartbeat_ms },
+            Found::AlreadyReported => Verdict::AlreadyReported,
+            Found::FencedClean => Verdict::FencedClean,
+            Found::Waiting => Verdict::Waiting {
                 remaining_ms: hold.remaining_ms(self.settings.heartbeat_grace_ms),
             },
         })
@@ -125,11 +125,11 @@ impl Reconciler {
             .key(self.keys.server_walking(server))
             .key(self.keys.server_moved(server))
             .arg(marker_ttl);
-        match call.invoke_async::<ClusterReport>(&mut c).await? {
-            ClusterReport::Alive => Ok(Verdict::Alive),
-            ClusterReport::AlreadyReported => Ok(Verdict::AlreadyReported),
-            ClusterReport::FencedClean => Ok(Verdict::FencedClean),
-            ClusterReport::Dead => {
+        match call.invoke_async::<FoundOnCluster>(&mut c).await? {
+            FoundOnCluster::Alive => Ok(Verdict::Alive),
+            FoundOnCluster::AlreadyReported => Ok(Verdict::AlreadyReported),
+            FoundOnCluster::FencedClean => Ok(Verdict::FencedClean),
+            FoundOnCluster::Dead => {
                 let id =
                     crate::stream::publish_event(&self.conn, &self.keys, &event.encode()).await?;
                 self.metrics.reconcile_dead_found.inc();
@@ -246,7 +246,7 @@ pub async fn count_dead(conn: &RedisConn, keys: &Keys, grace_ms: u64) -> Result<
 
 /// report_dead.lua's reply, {verdict, detail}: what it found, and what it did.
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum Reported {
+enum Found {
     /// Dead: `server.dead` published as `entry` (verdict 1).
     Published { entry: String },
     /// The liveness key exists (0).
@@ -261,20 +261,20 @@ enum Reported {
     Waiting,
 }
 
-impl redis::FromRedisValue for Reported {
+impl redis::FromRedisValue for Found {
     fn from_redis_value(v: redis::Value) -> std::result::Result<Self, redis::ParsingError> {
         let mut f = Fields::new("report_dead.lua", v, 2)?;
         let verdict: i64 = f.next("verdict")?;
         let detail: String = f.next("detail")?;
         Ok(match verdict {
-            1 => Reported::Published { entry: detail },
-            0 => Reported::Alive,
-            2 => Reported::TooRecent {
+            1 => Found::Published { entry: detail },
+            0 => Found::Alive,
+            2 => Found::TooRecent {
                 heartbeat_ms: detail.parse::<f64>().map_or(0, |f| f as u64),
             },
-            3 => Reported::AlreadyReported,
-            4 => Reported::FencedClean,
-            5 => Reported::Waiting,
+            3 => Found::AlreadyReported,
+            4 => Found::FencedClean,
+            5 => Found::Waiting,
             other => {
                 return Err(malformed(
                     f.script(),
@@ -288,7 +288,7 @@ impl redis::FromRedisValue for Reported {
 
 /// report_dead_cluster.lua's verdict (the event is published after it, by the caller).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum ClusterReport {
+enum FoundOnCluster {
     /// Dead, and the marker is set: publish (1).
     Dead,
     /// The liveness key exists (0).
@@ -299,15 +299,20 @@ enum ClusterReport {
     FencedClean,
 }
 
-impl redis::FromRedisValue for ClusterReport {
+impl redis::FromRedisValue for FoundOnCluster {
     fn from_redis_value(v: redis::Value) -> std::result::Result<Self, redis::ParsingError> {
-        int_state("report_dead_cluster.lua", "a verdict 0, 1, 3 or 4", v, |n| match n {
-            1 => Some(ClusterReport::Dead),
-            0 => Some(ClusterReport::Alive),
-            3 => Some(ClusterReport::AlreadyReported),
-            4 => Some(ClusterReport::FencedClean),
-            _ => None,
-        })
+        int_state(
+            "report_dead_cluster.lua",
+            "a verdict 0, 1, 3 or 4",
+            v,
+            |n| match n {
+                1 => Some(FoundOnCluster::Dead),
+                0 => Some(FoundOnCluster::Alive),
+                3 => Some(FoundOnCluster::AlreadyReported),
+                4 => Some(FoundOnCluster::FencedClean),
+                _ => None,
+            },
+        )
     }
 }
 
@@ -325,22 +330,34 @@ mod tests {
 
     #[test]
     fn report_dead_verdicts_decode_into_named_states() {
-        let decode = |v, d| Reported::from_redis_value(reply(v, d)).unwrap();
+        let decode = |v, d| Found::from_redis_value(reply(v, d)).unwrap();
         assert_eq!(
             decode(1, "1-0"),
-            Reported::Published {
+            Found::Published {
                 entry: "1-0".into()
             }
         );
-        assert_eq!(decode(0, ""), Reported::Alive);
-        assert_eq!(decode(2, "1700000000000"), Reported::TooRecent { heartbeat_ms: 1_700_000_000_000 });
-        assert_eq!(decode(3, ""), Reported::AlreadyReported);
-        assert_eq!(decode(4, ""), Reported::FencedClean);
-        assert_eq!(decode(5, ""), Reported::Waiting);
-        let err = Reported::from_redis_value(reply(9, "")).unwrap_err().to_string();
+        assert_eq!(decode(0, ""), Found::Alive);
+        assert_eq!(
+            decode(2, "1700000000000"),
+            Found::TooRecent {
+                heartbeat_ms: 1_700_000_000_000
+            }
+        );
+        assert_eq!(decode(3, ""), Found::AlreadyReported);
+        assert_eq!(decode(4, ""), Found::FencedClean);
+        assert_eq!(decode(5, ""), Found::Waiting);
+        let err = Found::from_redis_value(reply(9, ""))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("report_dead.lua"), "{err}");
-        let err = ClusterReport::from_redis_value(Value::Int(2)).unwrap_err().to_string();
+        let err = FoundOnCluster::from_redis_value(Value::Int(2))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("report_dead_cluster.lua"), "{err}");
-        assert_eq!(ClusterReport::from_redis_value(Value::Int(1)).unwrap(), ClusterReport::Dead);
+        assert_eq!(
+            FoundOnCluster::from_redis_value(Value::Int(1)).unwrap(),
+            FoundOnCluster::Dead
+        );
     }
 }
