@@ -613,7 +613,7 @@ async fn cleans_and_routes_under_resp3() {
     let f = Fixture::with(Layout::Hash, |s| {
         s.redis_url = format!("{}?protocol=resp3", s.redis_url)
     });
-    let client: String = f.query(&mut redis::cmd("CLIENT").arg("INFO")).await;
+    let client: String = f.query(redis::cmd("CLIENT").arg("INFO")).await;
     assert!(client.contains("resp=3"), "{client}");
     let (dead, live) = (server("gw-dead#1"), server("gw-live#1"));
     f.seed(&dead, 1_000).await;

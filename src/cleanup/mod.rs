@@ -22,7 +22,7 @@
 //! cluster_advance.lua). The check-and-delete of forward entries is [`crate::forward`].
 
 mod cluster;
-pub mod limiter;
+pub(crate) mod limiter;
 mod single;
 
 use std::sync::{Arc, LazyLock};

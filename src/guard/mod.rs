@@ -29,6 +29,6 @@
 //! owner whose liveness has expired.
 
 pub mod hold;
-pub mod reachable;
+pub(crate) mod reachable;
 
 pub use hold::{Decision, Doubt, Guard, Hold, HoldState, HELD_CONSUMER};

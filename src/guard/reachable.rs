@@ -37,7 +37,7 @@
 //!   loaded from an AOF) and is younger than the grace counts from its start;
 //! - **clock jump**: between two observations of this process, Redis's TIME (or the
 //!   reconciler's own wall clock) advanced more than the monotonic clock could account
-//!   for, plus [`Tracker::tolerance_ms`]: a step forward makes every score look old
+//!   for, plus the tracker's `tolerance_ms`: a step forward makes every score look old
 //!   (and expires liveness keys early).
 //!
 //! `reachable_since` is also stored in `janitor:{guard}:reachable` (the greatest known
@@ -208,10 +208,6 @@ impl Tracker {
             reachable_since_ms: 0,
             holding: false,
         }
-    }
-
-    pub fn tolerance_ms(&self) -> u64 {
-        self.tolerance_ms
     }
 
     /// A call failed with an outage error; true if Redis was taken as reachable until now
@@ -906,7 +902,7 @@ mod tests {
     #[test]
     fn a_step_of_redis_clock_is_a_clock_jump() {
         let mut t = Tracker::new(GRACE, 500);
-        assert_eq!(t.tolerance_ms(), 500);
+        assert_eq!(t.tolerance_ms, 500);
         t.observed(seen(T0, 0, "a", record("a", 0)), 0);
         // 1 s of monotonic time; Redis's clock moved 1 s + the tolerance + the round trip:
         // within the bound (from the first send to the second reply).

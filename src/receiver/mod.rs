@@ -12,8 +12,8 @@
 //! (retried) when Redis did not take every valid firing alert within [`REDIS_DEADLINE`].
 //! A 2xx is sent only after every valid firing alert's event is in the stream.
 
-pub mod publish;
-pub mod webhook;
+pub(crate) mod publish;
+pub(crate) mod webhook;
 
 use std::{
     convert::Infallible,
