@@ -1,6 +1,6 @@
 //! Every Redis key, stream and group name the janitor touches, built in one place.
 //!
-//! The layout is the README's "Redis data model". Every key carries the `key_prefix` setting so
+//! The layout is the documented Redis data model. Every key carries the `key_prefix` setting so
 //! that several deployments or test runs can share one Redis:
 //!
 //! | key                        | type   | owner                                   |
@@ -12,6 +12,7 @@
 //! | `servers`                  | ZSet   | connection servers (last heartbeat)     |
 //! | `registry:events`          | Stream | monitoring, the reconciler              |
 //! | `registry:events:dead`     | Stream | the workers (dead letters)              |
+//! | `registry:evictions`       | Stream | the workers, the reconciler (evictions) |
 //! | `server:{<server>}:cleanup`| Hash   | the workers: the cleanup's scan cursor  |
 //! | `server:{<server>}:walking`| Set    | the workers: the reverse set being walked|
 //! | `server:{<server>}:moved`  | ZSet   | the reconciler: members set aside       |
@@ -25,7 +26,9 @@
 //! | `janitor:{guard}:reachable`| Hash   | the reconciler: Redis's last outage     |
 //! | `receiver:alert:{<events>}:<alert>` | String | the alert receiver: entry id, TTL |
 //!
-//! The keys from `cleanup` on are the janitor's own, except `refused`. `cleanup` records
+//! The janitor writes thirteen keys of its own: `registry:events:dead`, the evictions
+//! stream (named by `evictions_stream`) and every key from `cleanup` on
+//! except `refused`, which connection servers write when refused. `cleanup` records
 //! how far the walk of a dead server's reverse set has gone, so that a cleanup taken over
 //! after a crash resumes there; `walking` is the reverse set itself, renamed away at the start of a walk so that
 //! members added meanwhile land in a new `users` set that is walked next (SSCAN does not

@@ -1,7 +1,7 @@
 //! # registry-janitor
 //!
 //! Keeps a real-time system's connection registry in Redis clean after connection
-//! servers die. The data model and the event are specified in the README:
+//! servers die. The data model and the event are specified in the documentation:
 //!
 //! ```text
 //!  connection server S ── HSET registry <user> S ──────────► registry (Hash)  or user:<user>
@@ -37,6 +37,10 @@
 //!   cluster, each next to its Lua).
 //! - [`forward`]: the atomic check-and-delete of forward entries and the Lua prelude,
 //!   shared by the cleanup and the reconciler's drift sweep.
+//! - [`fence`]: the fence a worker records before a cleanup's first step, which the
+//!   connection-server protocol checks (a fenced server's writes are refused).
+//! - [`evictions`]: the evictions stream (`users.evicted`, `server.cleaned`), written by
+//!   the scripts that delete, and read by whoever keeps presence.
 //! - [`reconcile`]: the reconciler: the heartbeat pass (`pass.rs`), expiry hints
 //!   (`hints.rs`), the drift sweep on one node (`sweep.rs`) and on a cluster
 //!   (`sweep_cluster.rs`).
@@ -52,10 +56,14 @@
 //! - [`receiver`]: the Alertmanager webhook receiver (`alert-receiver`): one
 //!   `server.dead` per firing alert, once per alert (`webhook.rs`: the payload and what
 //!   an alert becomes; `publish.rs`: the once-only publish script).
+//! - `protocol/*.lua` (outside `src/`): the connection-server protocol as scripts
+//!   (register, heartbeat, unregister, release, route), which [`registry`] runs.
 //! - [`health`]: liveness and readiness, shared by the worker and the reconciler;
 //!   [`http`]: the /metrics, /healthz and /readyz listener.
-//! - [`conn`] (one node or a cluster; `conn/cluster.rs`: masters, node clients, epoch),
-//!   [`retry`], [`metrics`], [`error`]: plumbing.
+//! - [`conn`] (one node, a cluster or Sentinel; `conn/cluster.rs`: masters, node
+//!   clients, epoch; `conn/sentinel.rs`: the primary through Sentinel), [`retry`],
+//!   [`metrics`], [`error`], and `reply` (decoding the scripts' replies into named
+//!   types): plumbing.
 //! - `testkit` (cargo feature `testkit`, on by default, off in the image): a private
 //!   `redis-server` on a free port and a local Redis Cluster, for the tests and for the
 //!   binary's `demo` and `bench`.

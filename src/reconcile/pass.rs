@@ -3,7 +3,7 @@
 //! re-checks both at the instant it publishes; on a cluster, report_dead_cluster.lua
 //! in the slot of `{S}`). Fenced servers (see [`crate::fence`]) are dead for good: one
 //! with anything left to clean is reported again, whatever its liveness key and score
-//! say (a writer of the original protocol may still heartbeat), until it is clean; a
+//! say (a plain writer, without the protocol's fence check, may still heartbeat), until it is clean; a
 //! clean one is not reported again. A server that is not fenced is never declared dead
 //! while Redis has not been reachable for a full grace since its last outage
 //! ([`crate::guard::reachable`]): the verdict waits ([`Verdict::Waiting`]).

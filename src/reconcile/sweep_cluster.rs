@@ -294,7 +294,7 @@ impl Reconciler {
                 // After the deletes, in another slot. Those of the page's entries that are
                 // gone are announced too, as on the cleanup's path: a retry of this step
                 // (a transient error after the deletes) finds its own deletes absent. A
-                // crash in between still loses the announcement (the README says so).
+                // crash in between still loses the announcement (a documented limit).
                 let mut gone = checked.deleted_users;
                 gone.extend(checked.absent_users);
                 self.announce_sweep(owner, &gone).await?;

@@ -2,7 +2,7 @@
 //! (and for the demo, the benchmark and the tests, which play that part).
 //!
 //! The protocol is a set of Lua scripts in `protocol/` at the top of the repository, so
-//! that a connection server in any language follows the same rules (the README documents
+//! that a connection server in any language follows the same rules (the documentation gives
 //! each call, with its keys and arguments, and a Python example):
 //!
 //! | operation    | script          | what it does                                          |
@@ -36,8 +36,8 @@
 //! if the connection server dies in between, the entry names a fenced owner, which
 //! `route` never returns, and which the drift sweep removes (and announces).
 //!
-//! `register_legacy`, `add_register` and `register_many` write as a connection server of
-//! the original protocol does (MULTI HSET/SADD, no fence check): the janitor still cleans
+//! `register_legacy`, `add_register` and `register_many` write as a plain writer does
+//! (MULTI HSET/SADD, no fence check): the janitor still cleans
 //! such late writes before it acknowledges, but the writer is never told it is dead.
 
 use std::sync::{
@@ -158,7 +158,7 @@ impl Registry {
     }
 
     /// Adds the commands that register `user` on `server` to `pipe` (for bulk loads; the
-    /// original protocol, without a fence check).
+    /// plain writes, without a fence check).
     pub fn add_register(&self, pipe: &mut redis::Pipeline, user: &[u8], server: &ServerId) {
         pipe.add_command(self.forward_write(user, server))
             .ignore()
@@ -197,7 +197,7 @@ impl Registry {
         Err(refused)
     }
 
-    /// Registers `user` on `server` as a connection server of the original protocol does:
+    /// Registers `user` on `server` as a plain writer does (no protocol script):
     /// MULTI HSET/SADD (on a cluster, the forward entry and then the member), no fence
     /// check. The janitor cleans such writes before it acknowledges; the writer is never
     /// told that it is dead.
