@@ -85,6 +85,7 @@ pub mod guard;
 pub mod health;
 pub mod http;
 pub mod keys;
+pub(crate) mod lock;
 pub mod maintenance;
 pub mod metrics;
 pub mod receiver;

@@ -144,7 +144,7 @@ impl Cleaner {
         // This cleanup's failed attempts: any during a walk make it walk again.
         let errors =
             prometheus::IntCounter::new("cleanup_errors", "this cleanup's failed attempts")
-                .expect("valid counter");
+                .expect("a fixed, valid counter name and help");
         let flush_errors = || {
             if let Some(global) = &self.errors {
                 global.inc_by(errors.get());

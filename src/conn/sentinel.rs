@@ -243,7 +243,7 @@ impl SentinelConn {
     ) -> Result<Self> {
         let conn = Self::new(target, response_timeout);
         let client = conn.0.target.primary_client(host.to_owned(), port)?;
-        *conn.0.current.lock().expect("not poisoned") = Some(Primary {
+        *crate::lock::lock(&conn.0.current) = Some(Primary {
             conn: ConnectionManager::new_lazy_with_config(
                 client.clone(),
                 super::config(response_timeout),
@@ -328,7 +328,7 @@ impl SentinelConn {
                 lookup.next_attempt = None;
                 lookup.delay = LOOKUP_MIN_DELAY;
                 lookup.last_error = None;
-                *self.0.current.lock().expect("not poisoned") = Some(primary.clone());
+                *crate::lock::lock(&self.0.current) = Some(primary.clone());
                 Ok(primary)
             }
             Err(e) => {
@@ -345,10 +345,10 @@ impl SentinelConn {
 
     /// One lookup: the primary's client, host and port.
     async fn look_up(&self, lookup: &mut Lookup) -> RedisResult<(redis::Client, String, u16)> {
-        if lookup.client.is_none() {
-            lookup.client = Some(self.0.target.sentinel_client()?);
-        }
-        let client = lookup.client.as_mut().expect("just set");
+        let client = match &mut lookup.client {
+            Some(client) => client,
+            none => none.insert(self.0.target.sentinel_client()?),
+        };
         let found = client.async_get_client().await?;
         let (host, port) = match found.get_connection_info().addr() {
             ConnectionAddr::Tcp(host, port) | ConnectionAddr::TcpTls { host, port, .. } => {
@@ -378,7 +378,7 @@ impl SentinelConn {
     }
 
     fn current(&self) -> Option<Primary> {
-        self.0.current.lock().expect("not poisoned").clone()
+        crate::lock::lock(&self.0.current).clone()
     }
 
     /// After `e` from the primary of `generation`: drops that primary if `e` says it is
@@ -390,7 +390,7 @@ impl SentinelConn {
     }
 
     fn drop_primary(&self, generation: u64, why: &str) {
-        let mut current = self.0.current.lock().expect("not poisoned");
+        let mut current = crate::lock::lock(&self.0.current);
         if let Some(p) = current.as_ref().filter(|p| p.generation == generation) {
             warn!(primary = %p.addr, reason = %why, "lost the primary; asking the sentinels again");
             *current = None;

@@ -187,7 +187,7 @@ impl Guard {
     /// Counts the servers that heartbeated within the window and, of those, the silent
     /// ones (liveness key gone). Reused for `census_ttl`.
     pub async fn census(&self, conn: &RedisConn) -> Result<Census> {
-        if let Some((at, census)) = *self.census.lock().expect("census lock") {
+        if let Some((at, census)) = *crate::lock::lock(&self.census) {
             if at.elapsed() < self.census_ttl {
                 return Ok(census);
             }
@@ -196,14 +196,14 @@ impl Guard {
         // verdicts may proceed anyway (the hold's grace).
         let window = self.window_ms.max(self.hold_grace_ms);
         let census = take_census(conn, &self.keys, window).await?;
-        *self.census.lock().expect("census lock") = Some((Instant::now(), census));
+        *crate::lock::lock(&self.census) = Some((Instant::now(), census));
         Ok(census)
     }
 
     /// Whether a verdict of a mass silence is held now. Reused for `census_ttl`. Where
     /// the holds may not be read, the answer is yes (the careful one), said once.
     pub async fn holds_mass_silence(&self, conn: &RedisConn) -> Result<bool> {
-        if let Some((at, held)) = *self.mass_held.lock().expect("hold lock") {
+        if let Some((at, held)) = *crate::lock::lock(&self.mass_held) {
             if at.elapsed() < self.census_ttl {
                 return Ok(held);
             }
@@ -221,7 +221,7 @@ impl Guard {
             }
             Err(e) => return Err(e),
         };
-        *self.mass_held.lock().expect("hold lock") = Some((Instant::now(), held));
+        *crate::lock::lock(&self.mass_held) = Some((Instant::now(), held));
         Ok(held)
     }
 

@@ -387,7 +387,8 @@ impl Receiver {
         };
         json(
             status,
-            serde_json::to_vec(&answer).expect("the answer serializes"),
+            serde_json::to_vec(&answer)
+                .expect("an answer of strings and numbers always serializes to JSON"),
         )
     }
 
@@ -502,7 +503,8 @@ fn redis_failed(e: &Error) -> Response<Full<Bytes>> {
 fn error(status: StatusCode, message: String) -> Response<Full<Bytes>> {
     json(
         status,
-        serde_json::to_vec(&serde_json::json!({ "error": message })).expect("serializes"),
+        serde_json::to_vec(&serde_json::json!({ "error": message }))
+            .expect("an object of one string always serializes to JSON"),
     )
 }
 

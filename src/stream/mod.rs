@@ -227,7 +227,10 @@ pub fn parse_read_reply(reply: Value) -> Result<Vec<Entry>> {
         Value::Array(streams) => streams
             .into_iter()
             .map(|s| match s {
-                Value::Array(mut kv) if kv.len() == 2 => Ok(kv.pop().expect("two items")),
+                Value::Array(kv) => match <[Value; 2]>::try_from(kv) {
+                    Ok([_, entries]) => Ok(entries),
+                    Err(kv) => Err(protocol("stream", &Value::Array(kv))),
+                },
                 other => Err(protocol("stream", &other)),
             })
             .collect::<Result<Vec<_>>>()?,
@@ -254,17 +257,12 @@ pub fn parse_read_reply(reply: Value) -> Result<Vec<Entry>> {
 /// Parses one `[id, [field, value, ...]]`; `None` for an entry deleted while pending
 /// (its fields come back as nil).
 pub fn parse_entry(item: Value) -> Result<Option<Entry>> {
-    let Value::Array(mut pair) = item else {
+    let Value::Array(pair) = item else {
         return Err(protocol("stream entry", &item));
     };
-    if pair.len() != 2 {
-        return Err(Error::Protocol(format!(
-            "stream entry of {} items",
-            pair.len()
-        )));
-    }
-    let fields = pair.pop().expect("two items");
-    let id = bytes(pair.pop().expect("two items"))?;
+    let [id, fields] = <[Value; 2]>::try_from(pair)
+        .map_err(|pair| Error::Protocol(format!("stream entry of {} items", pair.len())))?;
+    let id = bytes(id)?;
     let id = String::from_utf8(id).map_err(|_| Error::Protocol("non-UTF-8 entry id".into()))?;
     let flat = match fields {
         Value::Nil => return Ok(None),

@@ -270,7 +270,9 @@ impl Worker {
                 }
             };
             for entry in entries {
-                let permit = held.pop().expect("no more entries than permits");
+                let permit = held
+                    .pop()
+                    .expect("entries are asked for with COUNT = the permits held, so each has one");
                 tasks.spawn(self.clone().handle(entry, None, permit, abandon.clone()));
             }
         }
@@ -285,7 +287,7 @@ impl Worker {
     ) -> Option<Vec<OwnedSemaphorePermit>> {
         let first = loop {
             tokio::select! {
-                p = permits.clone().acquire_owned() => break p.expect("semaphore never closed"),
+                p = permits.clone().acquire_owned() => break p.expect("the permits semaphore is never closed"),
                 _ = tokio::time::sleep(Duration::from_secs(1)) => self.health.beat(),
                 _ = shutdown.cancelled() => return None,
             }
