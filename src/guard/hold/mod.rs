@@ -31,10 +31,15 @@ use crate::{
     conn::RedisConn,
     error::{Error, Result},
     event::{ServerDead, ServerId},
-    keys::{Keys, GROUP},
+    keys::Keys,
     reply::Fields,
     stream,
 };
+
+mod ending;
+
+use ending::{dead_letter_lost, entry_exists, forget, park, parse_hold, pending};
+pub use ending::{discard, list, release};
 
 /// The consumer that held verdicts' stream entries are parked with. No worker reads as
 /// it; consumer expiry never removes a consumer with pending entries.
@@ -46,12 +51,7 @@ pub const HELD_CONSUMER: &str = "janitor-guard-held";
 const CENSUS_TTL: Duration = Duration::from_secs(1);
 
 static HOLD: LazyLock<redis::Script> =
-    LazyLock::new(|| redis::Script::new(include_str!("hold.lua")));
-static FORGET: LazyLock<redis::Script> =
-    LazyLock::new(|| redis::Script::new(include_str!("forget.lua")));
-static PARK: LazyLock<redis::Script> =
-    LazyLock::new(|| redis::Script::new(include_str!("park.lua")));
-
+    LazyLock::new(|| redis::Script::new(include_str!("../hold.lua")));
 /// Why a verdict is doubtful.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -245,38 +245,7 @@ impl Guard {
                 let_through: false,
             });
         }
-        // Both keys are in the slot of {S}: one pipeline on a cluster too.
-        let (alive, fenced): (bool, bool) = redis::pipe()
-            .cmd("EXISTS")
-            .arg(self.keys.server_alive(server))
-            .cmd("EXISTS")
-            .arg(self.keys.server_fence(server))
-            .query_async(&mut conn.clone())
-            .await?;
-        // A fenced server's verdict was executed already: nothing left to protect.
-        let (doubt, detail) = if fenced {
-            (None, String::new())
-        } else if alive {
-            (
-                Some(Doubt::Disputed),
-                "its liveness key is present: it still heartbeats".to_owned(),
-            )
-        } else {
-            let census = self.census(conn).await?;
-            if self.is_mass_silence(census) {
-                (
-                    Some(Doubt::MassSilence),
-                    format!(
-                        "{} of the {} servers that heartbeated within {} s are silent",
-                        census.silent,
-                        census.recent,
-                        self.window_ms / 1000
-                    ),
-                )
-            } else {
-                (None, String::new())
-            }
-        };
+        let (doubt, detail) = self.doubt(conn, server).await?;
         let hold = Hold {
             state: HoldState::Held,
             server_id: server.as_str().to_owned(),
@@ -315,28 +284,48 @@ impl Guard {
                 first: holds_before == "0",
             }),
             HoldAnswer::Recorded { hold: standing } => {
-                let standing = parse_hold(&standing)?;
-                Ok(if standing.entry != entry {
-                    if standing.state == HoldState::Released {
-                        Decision::Proceed {
-                            released: false,
-                            let_through: false,
-                        }
-                    } else {
-                        Decision::Duplicate {
-                            held_entry: standing.entry,
-                        }
-                    }
-                } else if standing.state == HoldState::Released {
-                    Decision::Proceed {
-                        released: true,
-                        let_through: false,
-                    }
-                } else {
-                    Decision::Park
-                })
+                Ok(standing_decision(parse_hold(&standing)?, entry))
             }
         }
+    }
+
+    /// What is doubtful about a verdict on `server`, with the detail a hold records:
+    /// nothing for a fenced server (its verdict was executed already), `Disputed` while
+    /// its liveness key stands, `MassSilence` when it is one of many silent at once.
+    async fn doubt(&self, conn: &RedisConn, server: &ServerId) -> Result<(Option<Doubt>, String)> {
+        // Both keys are in the slot of {S}: one pipeline on a cluster too.
+        let (alive, fenced): (bool, bool) = redis::pipe()
+            .cmd("EXISTS")
+            .arg(self.keys.server_alive(server))
+            .cmd("EXISTS")
+            .arg(self.keys.server_fence(server))
+            .query_async(&mut conn.clone())
+            .await?;
+        // A fenced server's verdict was executed already: nothing left to protect.
+        let (doubt, detail) = if fenced {
+            (None, String::new())
+        } else if alive {
+            (
+                Some(Doubt::Disputed),
+                "its liveness key is present: it still heartbeats".to_owned(),
+            )
+        } else {
+            let census = self.census(conn).await?;
+            if self.is_mass_silence(census) {
+                (
+                    Some(Doubt::MassSilence),
+                    format!(
+                        "{} of the {} servers that heartbeated within {} s are silent",
+                        census.silent,
+                        census.recent,
+                        self.window_ms / 1000
+                    ),
+                )
+            } else {
+                (None, String::new())
+            }
+        };
+        Ok((doubt, detail))
     }
 
     /// Parks a held verdict's entry with [`HELD_CONSUMER`]; false if it is no longer
@@ -441,116 +430,6 @@ impl Guard {
     }
 }
 
-/// The holds standing now, oldest first.
-pub async fn list(conn: &RedisConn, keys: &Keys) -> Result<Vec<Hold>> {
-    let raw: Vec<(String, String)> = redis::cmd("HGETALL")
-        .arg(keys.guard_held())
-        .query_async(&mut conn.clone())
-        .await?;
-    let mut holds = Vec::with_capacity(raw.len());
-    for (server, json) in raw {
-        match parse_hold(&json) {
-            Ok(hold) => holds.push(hold),
-            Err(e) => warn!(server_id = %server, error = %e, "guard: unreadable hold left alone"),
-        }
-    }
-    holds.sort_by_key(|h| (h.since_ms, h.server_id.clone()));
-    Ok(holds)
-}
-
-/// Lets a held verdict go: the next worker to take its entry proceeds. False if the hold
-/// is no longer the one of this entry.
-pub async fn release(
-    conn: &RedisConn,
-    keys: &Keys,
-    hold: &Hold,
-    claim_min_idle_ms: u64,
-) -> Result<bool> {
-    let forgot: Forgot = FORGET
-        .key(keys.guard_held())
-        .arg(&hold.server_id)
-        .arg(&hold.entry)
-        .arg("released")
-        .arg("held")
-        .invoke_async(&mut conn.clone())
-        .await?;
-    if forgot.changed {
-        park(conn, keys, &hold.entry, claim_min_idle_ms).await?;
-    }
-    Ok(forgot.changed)
-}
-
-/// Discards a held verdict on an operator's word: its entry goes to the dead-letter
-/// stream with `why` (replayable), and the hold is forgotten. False if the hold is no
-/// longer the one of this entry.
-pub async fn discard(conn: &RedisConn, keys: &Keys, hold: &Hold, why: &str) -> Result<bool> {
-    // Held -> discarding, atomically: a hold released meanwhile (a worker may be fencing
-    // its server now) is not discarded. A discard that stopped half-way is finished by
-    // the next one.
-    if hold.state != HoldState::Discarding {
-        let forgot: Forgot = FORGET
-            .key(keys.guard_held())
-            .arg(&hold.server_id)
-            .arg(&hold.entry)
-            .arg("discarding")
-            .arg("held")
-            .invoke_async(&mut conn.clone())
-            .await?;
-        if !forgot.changed {
-            return Ok(false);
-        }
-    }
-    let entries: redis::Value = redis::cmd("XRANGE")
-        .arg(keys.events())
-        .arg(&hold.entry)
-        .arg(&hold.entry)
-        .query_async(&mut conn.clone())
-        .await?;
-    let found = match entries {
-        redis::Value::Array(mut items) if !items.is_empty() => {
-            stream::parse_entry(items.swap_remove(0))?
-        }
-        _ => None,
-    };
-    match found {
-        Some(entry) => stream::dead_letter(conn, keys, &entry, why).await?,
-        None => {
-            stream::ack(conn, keys, &hold.entry).await?;
-        }
-    }
-    forget(conn, keys, &hold.server_id, &hold.entry).await?;
-    Ok(true)
-}
-
-/// Forgets the hold of `entry` against `server`; the holds left, or None if the hold
-/// was not (or no longer) the one of this entry.
-async fn forget(conn: &RedisConn, keys: &Keys, server: &str, entry: &str) -> Result<Option<i64>> {
-    let forgot: Forgot = FORGET
-        .key(keys.guard_held())
-        .arg(server)
-        .arg(entry)
-        .arg("")
-        .arg("")
-        .invoke_async(&mut conn.clone())
-        .await?;
-    if forgot.changed && forgot.holds_left == 0 {
-        warn!("guard: the hold ended, no verdict is held");
-    }
-    Ok(forgot.changed.then_some(forgot.holds_left))
-}
-
-async fn park(conn: &RedisConn, keys: &Keys, entry: &str, idle_ms: u64) -> Result<bool> {
-    let parked: bool = PARK
-        .key(keys.events())
-        .arg(GROUP)
-        .arg(HELD_CONSUMER)
-        .arg(entry)
-        .arg(idle_ms)
-        .invoke_async(&mut conn.clone())
-        .await?;
-    Ok(parked)
-}
-
 /// hold.lua's reply, {answer, detail}.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum HoldAnswer {
@@ -588,77 +467,29 @@ impl redis::FromRedisValue for HoldAnswer {
     }
 }
 
-/// forget.lua's reply, {changed (0/1), holds left}.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Forgot {
-    /// The hold was the one of the entry, and was changed (or forgotten).
-    changed: bool,
-    holds_left: i64,
-}
-
-impl redis::FromRedisValue for Forgot {
-    fn from_redis_value(v: redis::Value) -> std::result::Result<Self, redis::ParsingError> {
-        let mut f = Fields::new("forget.lua", v, 2)?;
-        Ok(Forgot {
-            changed: f.next("changed")?,
-            holds_left: f.next("holds left")?,
-        })
+/// The decision for a verdict on a server that a hold already stands for (`standing`):
+/// the hold of another entry makes this one a duplicate unless it was released; the hold
+/// of this entry lets it go once released, and parks it while held.
+fn standing_decision(standing: Hold, entry: &str) -> Decision {
+    if standing.entry != entry {
+        if standing.state == HoldState::Released {
+            Decision::Proceed {
+                released: false,
+                let_through: false,
+            }
+        } else {
+            Decision::Duplicate {
+                held_entry: standing.entry,
+            }
+        }
+    } else if standing.state == HoldState::Released {
+        Decision::Proceed {
+            released: true,
+            let_through: false,
+        }
+    } else {
+        Decision::Park
     }
-}
-
-/// Whether the stream still holds `entry`.
-async fn entry_exists(conn: &RedisConn, keys: &Keys, entry: &str) -> Result<bool> {
-    let found: Vec<redis::Value> = redis::cmd("XRANGE")
-        .arg(keys.events())
-        .arg(entry)
-        .arg(entry)
-        .query_async(&mut conn.clone())
-        .await?;
-    Ok(!found.is_empty())
-}
-
-/// A held verdict whose stream entry was deleted: written to the dead-letter stream from
-/// what the hold recorded, so that it can be replayed.
-async fn dead_letter_lost(conn: &RedisConn, keys: &Keys, hold: &Hold) -> Result<()> {
-    let event = ServerDead {
-        v: crate::event::SCHEMA_VERSION as i64,
-        event_id: hold.event_id.clone(),
-        server_id: hold.server_id.clone(),
-        detected_at_ms: hold.since_ms,
-        reason: hold.reason.clone(),
-        source: hold.source.clone(),
-    };
-    let entry = crate::event::Entry {
-        id: hold.entry.clone(),
-        fields: vec![
-            (b"type".to_vec(), b"server.dead".to_vec()),
-            (b"payload".to_vec(), event.encode()),
-        ],
-    };
-    let why = format!(
-        "held by the guard ({}: {}), and its entry was deleted from the stream meanwhile",
-        hold.doubt.as_str(),
-        hold.detail
-    );
-    stream::dead_letter(conn, keys, &entry, &why).await?;
-    warn!(server_id = %hold.server_id, entry = %hold.entry, "guard: a held verdict's entry was deleted from the stream; dead-lettered from the hold");
-    Ok(())
-}
-
-/// The consumer holding `entry` and its idle time (ms), or None if it is not pending.
-async fn pending(conn: &RedisConn, keys: &Keys, entry: &str) -> Result<Option<(String, u64)>> {
-    let rows: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
-        .arg(keys.events())
-        .arg(GROUP)
-        .arg(entry)
-        .arg(entry)
-        .arg(1)
-        .query_async(&mut conn.clone())
-        .await?;
-    Ok(rows
-        .into_iter()
-        .next()
-        .map(|(_, owner, idle, _)| (owner, idle)))
 }
 
 /// Whether `server`'s liveness key exists, and its last heartbeat in `servers`.
@@ -674,11 +505,6 @@ async fn liveness(conn: &RedisConn, keys: &Keys, server: &ServerId) -> Result<(b
         .query_async(&mut c)
         .await?;
     Ok((alive, score))
-}
-
-fn parse_hold(json: &str) -> Result<Hold> {
-    serde_json::from_str(json)
-        .map_err(|e| Error::Protocol(format!("unreadable hold {json:?}: {e}")))
 }
 
 /// See [`Guard::census`].
