@@ -305,22 +305,15 @@ impl Receiver {
     async fn handle(&self, hook: &webhook::Webhook) -> Response<Full<Bytes>> {
         let deadline = tokio::time::Instant::now() + REDIS_DEADLINE;
         let mut answer = Answer::default();
-        let count = |outcome: &str| {
-            self.inner
-                .metrics
-                .receiver_alerts
-                .with_label_values(&[outcome])
-                .inc()
-        };
         for (index, alert) in hook.alerts.iter().enumerate() {
             match webhook::decide(alert, &self.inner.label) {
                 Decision::Resolved => {
                     answer.resolved += 1;
-                    count(alert_outcome::RESOLVED);
+                    self.count(alert_outcome::RESOLVED);
                 }
                 Decision::Refused(reason) => {
                     warn!(index, fingerprint = %alert.fingerprint, %reason, "alert refused");
-                    count(alert_outcome::REFUSED);
+                    self.count(alert_outcome::REFUSED);
                     answer.refused.push(Refusal {
                         index,
                         fingerprint: alert.fingerprint.clone(),
@@ -333,49 +326,13 @@ impl Receiver {
                     event,
                     server,
                 } => {
-                    let payload = event.encode();
-                    let publish = || {
-                        publish::publish_once(
-                            &self.inner.conn,
-                            &self.inner.keys,
-                            &alert_id,
-                            &payload,
-                            self.inner.ttl_ms,
-                        )
-                    };
-                    let started = Instant::now();
-                    let done = tokio::time::timeout_at(
-                        deadline,
-                        self.inner.watch.retrying(
-                            "publishing alerts",
-                            &self.inner.no_cancel,
-                            publish,
-                        ),
-                    )
-                    .await;
-                    match done {
-                        Ok(Ok(Published::New(entry))) => {
-                            answer.published += 1;
-                            count(alert_outcome::PUBLISHED);
-                            info!(server_id = %server, %entry, event_id = %event.event_id, "alert firing; published server.dead");
-                        }
-                        Ok(Ok(Published::Before(entry))) => {
-                            answer.duplicate += 1;
-                            count(alert_outcome::DUPLICATE);
-                            debug!(server_id = %server, %entry, "alert already published");
-                        }
-                        Ok(Err(e)) => return redis_failed(&e),
-                        Err(_) => {
-                            return error(
-                                StatusCode::SERVICE_UNAVAILABLE,
-                                format!(
-                                    "redis did not take the event of alert {} within {:?} \
-                                     (see /readyz); nothing is lost: send again",
-                                    alert.fingerprint,
-                                    started.elapsed()
-                                ),
-                            )
-                        }
+                    let published = self
+                        .publish(alert, &alert_id, &event, &server, deadline)
+                        .await;
+                    match published {
+                        Ok(Published::New(_)) => answer.published += 1,
+                        Ok(Published::Before(_)) => answer.duplicate += 1,
+                        Err(response) => return response,
                     }
                 }
             }
@@ -390,6 +347,71 @@ impl Receiver {
             serde_json::to_vec(&answer)
                 .expect("an answer of strings and numbers always serializes to JSON"),
         )
+    }
+
+    /// Counts one alert with `outcome`.
+    fn count(&self, outcome: &str) {
+        self.inner
+            .metrics
+            .receiver_alerts
+            .with_label_values(&[outcome])
+            .inc()
+    }
+
+    /// Publishes a firing alert's `event` once per `alert_id`, waiting out transient
+    /// states until `deadline`. Err: the response to send at once (Redis refused, or did
+    /// not take the event in time; nothing is lost, Alertmanager sends again).
+    async fn publish(
+        &self,
+        alert: &webhook::Alert,
+        alert_id: &str,
+        event: &crate::event::ServerDead,
+        server: &crate::event::ServerId,
+        deadline: tokio::time::Instant,
+    ) -> std::result::Result<Published, Response<Full<Bytes>>> {
+        let payload = event.encode();
+        let publish = || {
+            publish::publish_once(
+                &self.inner.conn,
+                &self.inner.keys,
+                alert_id,
+                &payload,
+                self.inner.ttl_ms,
+            )
+        };
+        let started = Instant::now();
+        let done = tokio::time::timeout_at(
+            deadline,
+            self.inner
+                .watch
+                .retrying("publishing alerts", &self.inner.no_cancel, publish),
+        )
+        .await;
+        match done {
+            Ok(Ok(published)) => {
+                match &published {
+                    Published::New(entry) => {
+                        self.count(alert_outcome::PUBLISHED);
+                        info!(server_id = %server, %entry, event_id = %event.event_id, "alert firing; published server.dead");
+                    }
+                    Published::Before(entry) => {
+                        self.count(alert_outcome::DUPLICATE);
+                        debug!(server_id = %server, %entry, "alert already published");
+                    }
+                }
+                Ok(published)
+            }
+            Ok(Err(e)) => Err(redis_failed(&e)),
+            Err(_) => Err(error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "redis did not take the event of alert {} within {:?} \
+                     (see /readyz); nothing is lost: send again",
+                    alert.fingerprint,
+                    started.elapsed()
+                ),
+            )),
+        }
     }
 
     /// True when auth is off or the request carries the token, compared in constant time.
