@@ -48,6 +48,28 @@ pub struct Checked {
     pub rechecked: u64,
 }
 
+impl Checked {
+    /// Adds what one script did with `users` (its reply names positions from 1).
+    fn add(&mut self, reply: SlotReply, users: &[&Vec<u8>]) {
+        self.deleted += reply.deleted;
+        self.kept += reply.kept;
+        let at = |i: usize| users.get(i.wrapping_sub(1)).map(|u| (*u).clone());
+        self.deleted_users
+            .extend(reply.deleted_at.into_iter().filter_map(at));
+        self.absent_users
+            .extend(reply.absent_at.into_iter().filter_map(at));
+    }
+
+    /// Adds another check-and-delete's totals and users.
+    fn merge(&mut self, more: Checked) {
+        self.deleted += more.deleted;
+        self.kept += more.kept;
+        self.deleted_users.extend(more.deleted_users);
+        self.absent_users.extend(more.absent_users);
+        self.rechecked += more.rechecked;
+    }
+}
+
 /// What check_delete.lua replies: {deleted, kept, positions deleted, positions absent}
 /// (positions count from 1 in the users given).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -133,7 +155,6 @@ async fn check_delete_by_node(
     users: &[Vec<u8>],
 ) -> Result<Checked> {
     let mut checked = Checked::default();
-    let mut elsewhere: Vec<&Vec<u8>> = Vec::new();
     let owners = match conn.slot_owners().await {
         Ok(owners) => owners,
         Err(e) => {
@@ -145,22 +166,9 @@ async fn check_delete_by_node(
         return check_delete_by_slot(conn, keys, Layout::Keys, server, users.iter().collect())
             .await;
     };
-    // Per master: a slot it serves (where the script is sent) and its users.
-    type Group<'a> = Option<(u16, Vec<&'a Vec<u8>>)>;
-    let mut groups: Vec<Group> = Vec::new();
-    groups.resize_with(owners.masters(), || None);
-    for u in users {
-        let slot = crate::conn::key_slot(&keys.user(u));
-        match owners.master_of(slot) {
-            Some(m) => groups[m as usize]
-                .get_or_insert_with(|| (slot, Vec::new()))
-                .1
-                .push(u),
-            None => elsewhere.push(u),
-        }
-    }
+    let (groups, mut elsewhere) = by_master(&owners, keys, users);
     let mut in_flight = FuturesUnordered::new();
-    for (slot, users) in groups.into_iter().flatten() {
+    for (slot, users) in groups {
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg(CHECK_DELETE_NODE.get_hash())
             .arg(0)
@@ -171,16 +179,7 @@ async fn check_delete_by_node(
         in_flight.push(async move { (on_node(conn, slot, cmd).await, users) });
     }
     while let Some((reply, users)) = in_flight.next().await {
-        let NodeReply {
-            slot:
-                SlotReply {
-                    deleted,
-                    kept,
-                    deleted_at,
-                    absent_at,
-                },
-            elsewhere_at,
-        } = match reply {
+        let NodeReply { slot, elsewhere_at } = match reply {
             Ok(reply) => reply,
             Err(e) => {
                 tracing::debug!(error = %e, users = users.len(), "a master's check-and-delete failed: checking its users slot by slot");
@@ -188,16 +187,12 @@ async fn check_delete_by_node(
                 continue;
             }
         };
-        checked.deleted += deleted;
-        checked.kept += kept;
-        let at = |i: usize| users.get(i.wrapping_sub(1)).copied();
-        checked
-            .deleted_users
-            .extend(deleted_at.into_iter().filter_map(at).cloned());
-        checked
-            .absent_users
-            .extend(absent_at.into_iter().filter_map(at).cloned());
-        elsewhere.extend(elsewhere_at.into_iter().filter_map(at));
+        checked.add(slot, &users);
+        elsewhere.extend(
+            elsewhere_at
+                .into_iter()
+                .filter_map(|i| users.get(i.wrapping_sub(1)).copied()),
+        );
     }
     if !elsewhere.is_empty() {
         tracing::debug!(
@@ -207,12 +202,36 @@ async fn check_delete_by_node(
         checked.rechecked += elsewhere.len() as u64;
         conn.forget_slot_owners();
         let more = check_delete_by_slot(conn, keys, Layout::Keys, server, elsewhere).await?;
-        checked.deleted += more.deleted;
-        checked.kept += more.kept;
-        checked.deleted_users.extend(more.deleted_users);
-        checked.absent_users.extend(more.absent_users);
+        checked.merge(more);
     }
     Ok(checked)
+}
+
+/// The users of one master, with a slot it serves (where their script is sent).
+type Group<'u> = (u16, Vec<&'u Vec<u8>>);
+
+/// `users` grouped by the master that serves their slot (by `owners`), each group with a
+/// slot of that master (where its script is sent); and the users of slots no master
+/// serves in that map.
+fn by_master<'u>(
+    owners: &crate::conn::SlotOwners,
+    keys: &Keys,
+    users: &'u [Vec<u8>],
+) -> (Vec<Group<'u>>, Vec<&'u Vec<u8>>) {
+    let mut groups: Vec<Option<Group>> = Vec::new();
+    groups.resize_with(owners.masters(), || None);
+    let mut elsewhere = Vec::new();
+    for u in users {
+        let slot = crate::conn::key_slot(&keys.user(u));
+        match owners.master_of(slot) {
+            Some(m) => groups[m as usize]
+                .get_or_insert_with(|| (slot, Vec::new()))
+                .1
+                .push(u),
+            None => elsewhere.push(u),
+        }
+    }
+    (groups.into_iter().flatten().collect(), elsewhere)
 }
 
 /// `cmd` (an EVALSHA of `check_delete_node.lua`) on the master of `slot`, loading the
@@ -295,24 +314,8 @@ async fn check_delete_by_slot(
         let Some(reply) = in_flight.next().await else {
             break;
         };
-        let (
-            SlotReply {
-                deleted,
-                kept,
-                deleted_at,
-                absent_at,
-            },
-            users,
-        ) = reply?;
-        checked.deleted += deleted;
-        checked.kept += kept;
-        let at = |i: usize| users.get(i.wrapping_sub(1)).map(|u| (*u).clone());
-        checked
-            .deleted_users
-            .extend(deleted_at.into_iter().filter_map(at));
-        checked
-            .absent_users
-            .extend(absent_at.into_iter().filter_map(at));
+        let (reply, users) = reply?;
+        checked.add(reply, users);
     }
     Ok(checked)
 }
