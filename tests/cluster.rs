@@ -1225,3 +1225,49 @@ async fn a_live_reshard_during_the_cleanup_loses_nothing() {
     assert!(!cleaned.is_empty(), "server.cleaned was never announced");
     worker.stop().await;
 }
+
+/// route.lua declares `no-cluster`: a Redis Cluster refuses it whatever the owner's slot,
+/// and the Registry, given a plain connection to a cluster node, says why and what to do
+/// (on a cluster connection it routes in single-slot steps, without the script).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn route_lua_is_refused_on_a_cluster_whatever_the_owner() {
+    let Some(f) = ClusterFixture::start(3, 0, Layout::Hash, 10).await else {
+        return;
+    };
+    let live = server("gw-live#1");
+    f.registry.register(&f.conn, b"u1", &live).await.unwrap();
+    f.registry.heartbeat(&f.conn, &live, 60_000).await.unwrap();
+    assert_eq!(
+        f.registry.route(&f.conn, b"u1").await.unwrap().as_deref(),
+        Some("gw-live#1")
+    );
+    // A plain (not cluster) connection to the node that serves `registry`.
+    let registry_key = f.keys.registry();
+    let node = f
+        .cluster
+        .nodes
+        .iter()
+        .find(|n| {
+            let mut c = redis::Client::open(n.url())
+                .unwrap()
+                .get_connection()
+                .unwrap();
+            redis::cmd("HGET")
+                .arg(&registry_key)
+                .arg("u1")
+                .query::<Option<String>>(&mut c)
+                .is_ok()
+        })
+        .expect("a node serves the registry's slot");
+    let plain = connect(&settings(node, Layout::Hash));
+    let err = f
+        .registry
+        .route(&plain, b"u1")
+        .await
+        .expect_err("route.lua is refused on a cluster");
+    let message = err.to_string();
+    assert!(
+        message.contains("no-cluster") && message.contains("redis_cluster"),
+        "{message}"
+    );
+}

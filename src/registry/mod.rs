@@ -330,8 +330,11 @@ impl Registry {
 
     /// Where to route a message for `user` (route.lua): the owner, only if it is neither
     /// fenced nor past its liveness (its liveness key expired); otherwise `None`. It only
-    /// reads: the janitor deletes (and announces) an entry whose owner is fenced. On a
-    /// cluster, in two single-slot steps: the owner, then its fence and liveness keys.
+    /// reads: the janitor deletes (and announces) an entry whose owner is fenced. On one
+    /// node, route.lua as a read-only script (EVALSHA_RO); on a cluster connection, in
+    /// two single-slot steps: the owner, then its fence and liveness keys. A cluster
+    /// reached through a plain connection refuses route.lua (`no-cluster`):
+    /// [`Error::Protocol`], saying to connect as a cluster.
     pub async fn route(&self, conn: &RedisConn, user: &[u8]) -> Result<Option<String>> {
         if !conn.is_cluster() {
             return self.route_on_node(conn, user).await;
