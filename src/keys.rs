@@ -39,7 +39,7 @@
 //! `janitor:{guard}:reachable` records the run_ids of Redis and since when it has been
 //! reachable, so that every reconciler (and every `reconcile --once`) holds its verdicts
 //! after an outage any of them saw, or after a restart that reloaded it (see
-//! [`crate::guard::reachable`]); `janitor:{guard}:held` and `janitor:{guard}:disputed`
+//! `guard::reachable`); `janitor:{guard}:held` and `janitor:{guard}:disputed`
 //! are the verdict hold's (see [`crate::guard::hold`]). The per-server ones share the
 //! server's hash tag (same cluster slot as the reverse set).
 //! `receiver:alert:*` records that the alert receiver published an alert (the entry id,
@@ -208,7 +208,7 @@ impl Keys {
     }
 
     /// The reconciler's reachable-time record (Hash: `run_ids`, `reachable_since_ms`);
-    /// see [`crate::guard::reachable`].
+    /// see `guard::reachable`.
     pub fn guard_reachable(&self) -> String {
         format!("{}janitor:{{guard}}:reachable", self.prefix)
     }

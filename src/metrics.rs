@@ -106,7 +106,7 @@ pub struct Metrics {
     pub redis_up: IntGauge,
     /// How long Redis has been reachable without a break, as the reconciler knows it
     /// (since its last outage, or since Redis started): verdicts on silent servers wait
-    /// while it is under `heartbeat_grace_ms` (see [`crate::guard::reachable`]).
+    /// while it is under `heartbeat_grace_ms` (see `guard::reachable`).
     pub reconcile_reachable_seconds: Gauge,
     /// Redis outages the reconciler detected, by cause (`failed_calls`, `restart`,
     /// `clock_jump`): each one holds verdicts for a grace.
@@ -115,7 +115,7 @@ pub struct Metrics {
     /// for a full grace yet.
     pub reconcile_verdicts_waiting: IntGauge,
     /// The step limiter's window, steps in flight, queue delays and cuts
-    /// (see [`crate::cleanup::limiter`]).
+    /// (see `cleanup::limiter`).
     pub steps: crate::cleanup::limiter::LimiterMetrics,
     /// Verdicts the guard holds now (sampled by the workers' upkeep).
     pub guard_held: IntGauge,

@@ -101,7 +101,7 @@ impl Cleaner {
     }
 
     /// One call of the step script, walking `chunk_size` members with SSCAN (see
-    /// [`Cleaner::step_sized`]).
+    /// `step_sized`).
     pub async fn step(&self, conn: &RedisConn, server: &ServerId) -> Result<Step> {
         self.step_sized(conn, server, WalkMode::Scan, "", None, self.chunk_size)
             .await

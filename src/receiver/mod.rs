@@ -4,7 +4,7 @@
 //!
 //! It owns the listener, authentication (bearer token, compared in constant time), the
 //! body limit, TLS, the answer codes and the receiver's metrics. What an alert becomes is
-//! [`webhook`]; publishing it exactly once is [`publish`].
+//! `webhook`; publishing it exactly once is `publish`.
 //!
 //! The answer tells Alertmanager what to do next: 200 when every alert is handled; 422
 //! (not retried by Alertmanager) when some alert was refused, the rest of the batch being
