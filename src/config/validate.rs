@@ -320,30 +320,7 @@ impl Settings {
         }
         let mut credentials = std::collections::BTreeSet::new();
         for url in &self.redis_sentinels {
-            let parsed = redis::parse_redis_url(url);
-            let Some(parsed) = parsed.filter(|u| matches!(u.scheme(), "redis" | "rediss")) else {
-                return bad(
-                    "redis_sentinels",
-                    format!("not a redis:// or rediss:// URL: {}", redact_url(url)),
-                );
-            };
-            if parsed.host_str().is_none_or(str::is_empty) {
-                return bad("redis_sentinels", format!("no host in {}", redact_url(url)));
-            }
-            let db = parsed.path().trim_start_matches('/');
-            if !db.is_empty() && db != "0" {
-                return bad(
-                    "redis_sentinels",
-                    format!(
-                        "a sentinel has no databases (the database is redis_url's): {}",
-                        redact_url(url)
-                    ),
-                );
-            }
-            credentials.insert((
-                parsed.username().to_owned(),
-                parsed.password().map(str::to_owned),
-            ));
+            credentials.insert(sentinel_credentials(url)?);
         }
         if credentials.len() > 1
             && self.redis_sentinel_username.is_none()
@@ -357,4 +334,34 @@ impl Settings {
         }
         Ok(())
     }
+}
+
+/// The user and password of one of `redis_sentinels`, which must be a redis:// or
+/// rediss:// URL with a host and no database.
+fn sentinel_credentials(url: &str) -> Result<(String, Option<String>)> {
+    let bad = |reason: String| Error::Setting {
+        name: "redis_sentinels".into(),
+        reason,
+    };
+    let parsed = redis::parse_redis_url(url);
+    let Some(parsed) = parsed.filter(|u| matches!(u.scheme(), "redis" | "rediss")) else {
+        return Err(bad(format!(
+            "not a redis:// or rediss:// URL: {}",
+            redact_url(url)
+        )));
+    };
+    if parsed.host_str().is_none_or(str::is_empty) {
+        return Err(bad(format!("no host in {}", redact_url(url))));
+    }
+    let db = parsed.path().trim_start_matches('/');
+    if !db.is_empty() && db != "0" {
+        return Err(bad(format!(
+            "a sentinel has no databases (the database is redis_url's): {}",
+            redact_url(url)
+        )));
+    }
+    Ok((
+        parsed.username().to_owned(),
+        parsed.password().map(str::to_owned),
+    ))
 }
