@@ -28,7 +28,8 @@
 //!
 //! # Layout
 //! - [`keys`]: every key name and special stream id, in one place.
-//! - [`config`]: settings (defaults file, `JANITOR_*`, flags) and their checks.
+//! - [`config`]: settings (defaults file, `JANITOR_*`, flags) and their checks
+//!   (`validate.rs`).
 //! - [`event`]: the `server.dead` payload, its encoding, structural check and validation.
 //! - [`stream`]: the events stream and the group (read, ack, claim, hand-off, dead letters).
 //! - [`worker`]: the consumer loop, takeover of idle entries, drain on shutdown
@@ -46,8 +47,9 @@
 //!   (`sweep_cluster.rs`).
 //! - [`guard`]: keeps outages elsewhere and monitoring mistakes from fencing a live
 //!   fleet: verdicts on silent servers wait until Redis has been reachable for a full
-//!   grace (`reachable.rs`); doubtful verdicts (disputed, or of a mass silence) beyond
-//!   its limits are held (`hold.rs`, next to its Lua).
+//!   grace (`reachable/`: the tracker in `tracker.rs`, the Redis side in `mod.rs`);
+//!   doubtful verdicts (disputed, or of a mass silence) beyond its limits are held
+//!   (`hold/`: the decision in `mod.rs`, how a hold ends in `ending.rs`).
 //! - [`maintenance`]: stream retention and removal of gone consumers.
 //! - [`registry`]: the connection-server side (register, unregister, heartbeat), used
 //!   by connection servers in Rust, the demo and the tests.
@@ -55,15 +57,16 @@
 //!   `status` reports.
 //! - [`receiver`]: the Alertmanager webhook receiver (`alert-receiver`): one
 //!   `server.dead` per firing alert, once per alert (`webhook.rs`: the payload and what
-//!   an alert becomes; `publish.rs`: the once-only publish script).
+//!   an alert becomes; `publish.rs`: the once-only publish script; `credentials.rs`:
+//!   its bearer token and TLS certificate).
 //! - `protocol/*.lua` (outside `src/`): the connection-server protocol as scripts
 //!   (register, heartbeat, unregister, release, route), which [`registry`] runs.
 //! - [`health`]: liveness and readiness, shared by the worker and the reconciler;
 //!   [`http`]: the /metrics, /healthz and /readyz listener.
 //! - [`conn`] (one node, a cluster or Sentinel; `conn/cluster.rs`: masters, node
-//!   clients, epoch; `conn/sentinel.rs`: the primary through Sentinel), [`retry`],
-//!   [`metrics`], [`error`], and `reply` (decoding the scripts' replies into named
-//!   types): plumbing.
+//!   clients, epoch; `conn/sentinel/`: the primary through Sentinel; `conn/commands.rs`:
+//!   commands over several keys), [`retry`], [`metrics`], [`error`], `reply` (decoding
+//!   the scripts' replies into named types) and `lock`: plumbing.
 //! - `testkit` (cargo feature `testkit`, on by default, off in the image): a private
 //!   `redis-server` on a free port and a local Redis Cluster, for the tests and for the
 //!   binary's `demo` and `bench`.
