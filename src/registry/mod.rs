@@ -80,8 +80,8 @@ fn unless_fenced<T>(reply: redis::RedisResult<T>, server: &ServerId) -> Result<T
 pub struct Registry {
     keys: Keys,
     layout: Layout,
-    /// Redis (or a proxy in front of it) refused EVALSHA_RO as unknown: route.lua runs
-    /// as EVALSHA.
+    /// Redis (or a proxy in front of it) refused EVALSHA_RO (unknown, or not allowed to
+    /// this user): route.lua runs as EVALSHA.
     read_only_refused: Arc<AtomicBool>,
 }
 
@@ -95,11 +95,15 @@ impl redis::FromRedisValue for Routed {
     }
 }
 
-/// An "unknown command" refusal (a server or proxy that does not know the command).
-fn is_unknown_command(e: &redis::RedisError) -> bool {
-    e.code() == Some("ERR")
-        && e.detail()
-            .is_some_and(|d| d.to_ascii_lowercase().contains("unknown command"))
+/// A refusal of the command itself: unknown (a server or proxy that does not know it),
+/// or not allowed to this user (an ACL without it).
+fn refuses_command(e: &redis::RedisError) -> bool {
+    let detail = e.detail().unwrap_or_default().to_ascii_lowercase();
+    match e.code() {
+        Some("NOPERM") => detail.contains("evalsha_ro"),
+        Some("ERR") => detail.contains("unknown command"),
+        _ => false,
+    }
 }
 
 impl Registry {
@@ -354,8 +358,8 @@ impl Registry {
     }
 
     /// [`Registry::route`] on one node: route.lua as EVALSHA_RO (loaded first if Redis
-    /// does not have it). Where EVALSHA_RO is refused as unknown (a proxy may not know
-    /// it), as EVALSHA from then on.
+    /// does not have it). Where EVALSHA_RO is refused (a proxy that does not know it, an
+    /// ACL user without it), as EVALSHA from then on.
     async fn route_on_node(&self, conn: &RedisConn, user: &[u8]) -> Result<Option<String>> {
         let forward = self.forward_key(user);
         let call = |command: &str| {
@@ -375,7 +379,7 @@ impl Registry {
                 ROUTE.load_async(&mut conn.clone()).await?;
                 call(command).query_async(&mut conn.clone()).await
             }
-            Err(e) if read_only && is_unknown_command(&e) => {
+            Err(e) if read_only && refuses_command(&e) => {
                 self.read_only_refused.store(true, Ordering::Relaxed);
                 let mut call = ROUTE.prepare_invoke();
                 call.key(&forward)
