@@ -47,12 +47,14 @@
 //!   (`sweep_cluster.rs`).
 //! - [`guard`]: keeps outages elsewhere and monitoring mistakes from fencing a live
 //!   fleet: verdicts on silent servers wait until Redis has been reachable for a full
-//!   grace (`reachable/`: the tracker in `tracker.rs`, the Redis side in `mod.rs`);
-//!   doubtful verdicts (disputed, or of a mass silence) beyond its limits are held
-//!   (`hold/`: the decision in `mod.rs`, how a hold ends in `ending.rs`).
+//!   grace (`reachable/`: the tracker in `tracker.rs`, what an observation reads in
+//!   `observation.rs`); doubtful verdicts (disputed, or of a mass silence) beyond its
+//!   limits are held (`hold/`: the decision in `mod.rs`, the fleet's census in
+//!   `census.rs`, how a hold ends in `ending.rs`).
 //! - [`maintenance`]: stream retention and removal of gone consumers.
-//! - [`registry`]: the connection-server side (register, unregister, heartbeat), used
-//!   by connection servers in Rust, the demo and the tests.
+//! - [`registry`]: the connection-server side (register, unregister, heartbeat; route
+//!   and the reads in `route.rs`), used by connection servers in Rust, the demo and the
+//!   tests.
 //! - [`dead_letters`]: listing, replaying and purging dead letters; [`status`]: what
 //!   `status` reports.
 //! - [`receiver`]: the Alertmanager webhook receiver (`alert-receiver`): one
