@@ -1,3 +1,4 @@
+#!lua flags=no-writes,no-cluster
 -- registry-janitor connection-server protocol: where to route a message for a user.
 --
 -- Returns the owner server id only if that owner is neither fenced (declared dead) nor
@@ -7,10 +8,14 @@
 -- owner that only missed its liveness keeps its entry: it may be a slow heartbeat, and
 -- the reconciler decides.
 --
--- One node only: the owner's keys are read by name (built from ARGV[3] and the owner),
--- which a cluster does not allow. On a Redis Cluster: HGET registry <user> (or GET
--- user:<user>); then EXISTS server:{<owner>}:fenced and EXISTS server:{<owner>}:alive
--- (one slot).
+-- Flags (Redis 7.0 or later, Valkey 7.2 or later):
+-- - `no-writes`: it only reads, so it runs as EVAL_RO/EVALSHA_RO and on replicas.
+-- - `no-cluster`: the owner's keys are read by name (built from ARGV[3] and the owner),
+--   not given in KEYS, and lie in another slot than the forward entry, which a cluster
+--   does not allow in one script. A Redis Cluster refuses to run it ("Can not run script
+--   on cluster, 'no-cluster' flag is set"), whatever the owner. There, route in two
+--   steps: HGET registry <user> (or GET user:<user>); then EXISTS
+--   server:{<owner>}:fenced and EXISTS server:{<owner>}:alive (one slot).
 --
 -- KEYS[1] the forward entry: `registry` (layout hash) or `user:<user>` (layout keys)
 -- ARGV[1] user id  ARGV[2] 'hash' or 'keys'  ARGV[3] key_prefix (may be empty)

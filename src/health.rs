@@ -155,7 +155,7 @@ impl Failing {
 
     /// One more task of `what` is failing; true if `what` was not failing before.
     pub(crate) fn start(&self, what: &str, error: String) -> bool {
-        let mut now = self.now.lock().expect("not poisoned");
+        let mut now = crate::lock::lock(&self.now);
         let entry = now.entry(what.to_owned()).or_insert((0, String::new()));
         entry.0 += 1;
         entry.1 = error;
@@ -163,14 +163,14 @@ impl Failing {
     }
 
     pub(crate) fn update(&self, what: &str, error: String) {
-        if let Some(entry) = self.now.lock().expect("not poisoned").get_mut(what) {
+        if let Some(entry) = crate::lock::lock(&self.now).get_mut(what) {
             entry.1 = error;
         }
     }
 
     /// One task of `what` stopped failing; true if no task of `what` fails any more.
     pub(crate) fn end(&self, what: &str) -> bool {
-        let mut now = self.now.lock().expect("not poisoned");
+        let mut now = crate::lock::lock(&self.now);
         match now.get_mut(what) {
             Some(entry) if entry.0 > 1 => {
                 entry.0 -= 1;
@@ -186,7 +186,7 @@ impl Failing {
 
     /// Something failing now and its last error, if anything is.
     pub fn any(&self) -> Option<(String, String)> {
-        let now = self.now.lock().expect("not poisoned");
+        let now = crate::lock::lock(&self.now);
         now.iter().next().map(|(w, (_, e))| (w.clone(), e.clone()))
     }
 }

@@ -1,6 +1,6 @@
 //! Every Redis key, stream and group name the janitor touches, built in one place.
 //!
-//! The layout is the README's "Redis data model". Every key carries the `key_prefix` setting so
+//! The layout is the documented Redis data model. Every key carries the `key_prefix` setting so
 //! that several deployments or test runs can share one Redis:
 //!
 //! | key                        | type   | owner                                   |
@@ -12,6 +12,7 @@
 //! | `servers`                  | ZSet   | connection servers (last heartbeat)     |
 //! | `registry:events`          | Stream | monitoring, the reconciler              |
 //! | `registry:events:dead`     | Stream | the workers (dead letters)              |
+//! | `registry:evictions`       | Stream | the workers, the reconciler (evictions) |
 //! | `server:{<server>}:cleanup`| Hash   | the workers: the cleanup's scan cursor  |
 //! | `server:{<server>}:walking`| Set    | the workers: the reverse set being walked|
 //! | `server:{<server>}:moved`  | ZSet   | the reconciler: members set aside       |
@@ -25,7 +26,9 @@
 //! | `janitor:{guard}:reachable`| Hash   | the reconciler: Redis's last outage     |
 //! | `receiver:alert:{<events>}:<alert>` | String | the alert receiver: entry id, TTL |
 //!
-//! The keys from `cleanup` on are the janitor's own, except `refused`. `cleanup` records
+//! The janitor writes thirteen keys of its own: `registry:events:dead`, the evictions
+//! stream (named by `evictions_stream`) and every key from `cleanup` on
+//! except `refused`, which connection servers write when refused. `cleanup` records
 //! how far the walk of a dead server's reverse set has gone, so that a cleanup taken over
 //! after a crash resumes there; `walking` is the reverse set itself, renamed away at the start of a walk so that
 //! members added meanwhile land in a new `users` set that is walked next (SSCAN does not
@@ -36,7 +39,7 @@
 //! `janitor:{guard}:reachable` records the run_ids of Redis and since when it has been
 //! reachable, so that every reconciler (and every `reconcile --once`) holds its verdicts
 //! after an outage any of them saw, or after a restart that reloaded it (see
-//! [`crate::guard::reachable`]); `janitor:{guard}:held` and `janitor:{guard}:disputed`
+//! `guard::reachable`); `janitor:{guard}:held` and `janitor:{guard}:disputed`
 //! are the verdict hold's (see [`crate::guard::hold`]). The per-server ones share the
 //! server's hash tag (same cluster slot as the reverse set).
 //! `receiver:alert:*` records that the alert receiver published an alert (the entry id,
@@ -205,7 +208,7 @@ impl Keys {
     }
 
     /// The reconciler's reachable-time record (Hash: `run_ids`, `reachable_since_ms`);
-    /// see [`crate::guard::reachable`].
+    /// see `guard::reachable`.
     pub fn guard_reachable(&self) -> String {
         format!("{}janitor:{{guard}}:reachable", self.prefix)
     }

@@ -1,7 +1,7 @@
 //! # registry-janitor
 //!
 //! Keeps a real-time system's connection registry in Redis clean after connection
-//! servers die. The data model and the event are specified in the README:
+//! servers die. The data model and the event are specified in the documentation:
 //!
 //! ```text
 //!  connection server S ── HSET registry <user> S ──────────► registry (Hash)  or user:<user>
@@ -28,7 +28,8 @@
 //!
 //! # Layout
 //! - [`keys`]: every key name and special stream id, in one place.
-//! - [`config`]: settings (defaults file, `JANITOR_*`, flags) and their checks.
+//! - [`config`]: settings (defaults file, `JANITOR_*`, flags) and their checks
+//!   (`validate.rs`).
 //! - [`event`]: the `server.dead` payload, its encoding, structural check and validation.
 //! - [`stream`]: the events stream and the group (read, ack, claim, hand-off, dead letters).
 //! - [`worker`]: the consumer loop, takeover of idle entries, drain on shutdown
@@ -37,25 +38,37 @@
 //!   cluster, each next to its Lua).
 //! - [`forward`]: the atomic check-and-delete of forward entries and the Lua prelude,
 //!   shared by the cleanup and the reconciler's drift sweep.
+//! - [`fence`]: the fence a worker records before a cleanup's first step, which the
+//!   connection-server protocol checks (a fenced server's writes are refused).
+//! - [`evictions`]: the evictions stream (`users.evicted`, `server.cleaned`), written by
+//!   the scripts that delete, and read by whoever keeps presence.
 //! - [`reconcile`]: the reconciler: the heartbeat pass (`pass.rs`), expiry hints
 //!   (`hints.rs`), the drift sweep on one node (`sweep.rs`) and on a cluster
 //!   (`sweep_cluster.rs`).
 //! - [`guard`]: keeps outages elsewhere and monitoring mistakes from fencing a live
 //!   fleet: verdicts on silent servers wait until Redis has been reachable for a full
-//!   grace (`reachable.rs`); doubtful verdicts (disputed, or of a mass silence) beyond
-//!   its limits are held (`hold.rs`, next to its Lua).
+//!   grace (`reachable/`: the tracker in `tracker.rs`, what an observation reads in
+//!   `observation.rs`); doubtful verdicts (disputed, or of a mass silence) beyond its
+//!   limits are held (`hold/`: the decision in `mod.rs`, the fleet's census in
+//!   `census.rs`, how a hold ends in `ending.rs`).
 //! - [`maintenance`]: stream retention and removal of gone consumers.
-//! - [`registry`]: the connection-server side (register, unregister, heartbeat), used
-//!   by connection servers in Rust, the demo and the tests.
+//! - [`registry`]: the connection-server side (register, unregister, heartbeat; route
+//!   and the reads in `route.rs`), used by connection servers in Rust, the demo and the
+//!   tests.
 //! - [`dead_letters`]: listing, replaying and purging dead letters; [`status`]: what
 //!   `status` reports.
 //! - [`receiver`]: the Alertmanager webhook receiver (`alert-receiver`): one
 //!   `server.dead` per firing alert, once per alert (`webhook.rs`: the payload and what
-//!   an alert becomes; `publish.rs`: the once-only publish script).
+//!   an alert becomes; `publish.rs`: the once-only publish script; `credentials.rs`:
+//!   its bearer token and TLS certificate).
+//! - `protocol/*.lua` (outside `src/`): the connection-server protocol as scripts
+//!   (register, heartbeat, unregister, release, route), which [`registry`] runs.
 //! - [`health`]: liveness and readiness, shared by the worker and the reconciler;
 //!   [`http`]: the /metrics, /healthz and /readyz listener.
-//! - [`conn`] (one node or a cluster; `conn/cluster.rs`: masters, node clients, epoch),
-//!   [`retry`], [`metrics`], [`error`]: plumbing.
+//! - [`conn`] (one node, a cluster or Sentinel; `conn/cluster.rs`: masters, node
+//!   clients, epoch; `conn/sentinel/`: the primary through Sentinel; `conn/commands.rs`:
+//!   commands over several keys), [`retry`], [`metrics`], [`error`], `reply` (decoding
+//!   the scripts' replies into named types) and `lock`: plumbing.
 //! - [`service`]: the settings flags, logging, signals, and the long-running commands
 //!   (`worker`, `reconcile`, `alert-receiver`) with their metrics listener.
 //!
@@ -78,11 +91,13 @@ pub mod guard;
 pub mod health;
 pub mod http;
 pub mod keys;
+pub(crate) mod lock;
 pub mod maintenance;
 pub mod metrics;
 pub mod receiver;
 pub mod reconcile;
 pub mod registry;
+pub(crate) mod reply;
 pub mod retry;
 pub mod service;
 pub mod status;

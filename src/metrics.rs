@@ -6,6 +6,12 @@ use prometheus::{
     TextEncoder,
 };
 
+/// What building a metric relies on: its name, help and labels are fixed in this file
+/// and valid Prometheus names (a test builds them all).
+const VALID: &str = "a metric's fixed name, help and labels are valid";
+/// What registering relies on: each name is registered once, in a registry of its own.
+const UNIQUE: &str = "each metric name is registered once in this process's registry";
+
 /// Outcome label values of `registry_janitor_events_total`.
 pub mod outcome {
     pub const CLEANED: &str = "cleaned";
@@ -92,11 +98,15 @@ pub struct Metrics {
     pub evictions_entries: IntCounter,
     /// Users announced in those entries.
     pub evictions_users: IntCounter,
+    /// Users of a cluster cleanup (layout `keys`) that a master's check-and-delete script
+    /// left to the per-slot scripts: their slot moved or was moving, or the node did not
+    /// answer.
+    pub cluster_users_rechecked: IntCounter,
     /// 1 while Redis answers PING, 0 while it does not (see [`crate::health::watch_redis`]).
     pub redis_up: IntGauge,
     /// How long Redis has been reachable without a break, as the reconciler knows it
     /// (since its last outage, or since Redis started): verdicts on silent servers wait
-    /// while it is under `heartbeat_grace_ms` (see [`crate::guard::reachable`]).
+    /// while it is under `heartbeat_grace_ms` (see `guard::reachable`).
     pub reconcile_reachable_seconds: Gauge,
     /// Redis outages the reconciler detected, by cause (`failed_calls`, `restart`,
     /// `clock_jump`): each one holds verdicts for a grace.
@@ -105,7 +115,7 @@ pub struct Metrics {
     /// for a full grace yet.
     pub reconcile_verdicts_waiting: IntGauge,
     /// The step limiter's window, steps in flight, queue delays and cuts
-    /// (see [`crate::cleanup::limiter`]).
+    /// (see `cleanup::limiter`).
     pub steps: crate::cleanup::limiter::LimiterMetrics,
     /// Verdicts the guard holds now (sampled by the workers' upkeep).
     pub guard_held: IntGauge,
@@ -134,27 +144,27 @@ impl Metrics {
             ),
             &["outcome"],
         )
-        .expect("valid metric");
+        .expect(VALID);
         let entries_deleted = IntCounter::new(
             "registry_janitor_entries_deleted_total",
             "Forward registry entries deleted because they pointed at a dead server",
         )
-        .expect("valid metric");
+        .expect(VALID);
         let entries_kept = IntCounter::new(
             "registry_janitor_entries_kept_total",
             "Forward registry entries kept because their user had moved to another server",
         )
-        .expect("valid metric");
+        .expect(VALID);
         let entries_claimed = IntCounter::new(
             "registry_janitor_entries_claimed_total",
             "Pending stream entries taken over from other consumers",
         )
-        .expect("valid metric");
+        .expect(VALID);
         let entries_vanished = IntCounter::new(
             "registry_janitor_pending_vanished_total",
             "Pending entries that had been deleted from the stream when a takeover found them",
         )
-        .expect("valid metric");
+        .expect(VALID);
         let buckets = vec![
             0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
         ];
@@ -165,7 +175,7 @@ impl Metrics {
             )
             .buckets(buckets.clone()),
         )
-        .expect("valid metric");
+        .expect(VALID);
         let stale_window_seconds = Histogram::with_opts(
             HistogramOpts::new(
                 "registry_janitor_stale_window_seconds",
@@ -173,13 +183,13 @@ impl Metrics {
             )
             .buckets(buckets),
         )
-        .expect("valid metric");
+        .expect(VALID);
         let redis_errors = IntCounter::new(
             "registry_janitor_redis_errors_total",
             "Redis commands that failed, each attempt counted",
         )
-        .expect("valid metric");
-        let gauge = |name: &str, help: &str| IntGauge::new(name, help).expect("valid metric");
+        .expect(VALID);
+        let gauge = |name: &str, help: &str| IntGauge::new(name, help).expect(VALID);
         let stream_lag = gauge(
             "registry_janitor_stream_lag",
             "Events in registry:events not yet delivered to any worker (sampled)",
@@ -203,7 +213,7 @@ impl Metrics {
             ),
             &["op"],
         )
-        .expect("valid metric");
+        .expect(VALID);
         let fenced_servers = gauge(
             "registry_janitor_fenced_servers",
             "Fences standing now (servers declared dead within fence_ttl_ms), sampled",
@@ -212,7 +222,7 @@ impl Metrics {
             "registry_janitor_fenced_servers_writing",
             "Fenced servers that tried to write within heartbeat_grace_ms: a false positive or a zombie",
         );
-        let counter = |name: &str, help: &str| IntCounter::new(name, help).expect("valid metric");
+        let counter = |name: &str, help: &str| IntCounter::new(name, help).expect(VALID);
         let reconcile_passes = counter(
             "registry_janitor_reconcile_passes_total",
             "Reconciler passes over the known servers",
@@ -241,9 +251,14 @@ impl Metrics {
             "registry_janitor_evictions_users_total",
             "Users announced in users.evicted entries of the evictions stream",
         );
+        let cluster_users_rechecked = counter(
+            "registry_janitor_cluster_users_rechecked_total",
+            "Users a master's check-and-delete script left to the per-slot scripts (cluster, layout keys)",
+        );
         for c in [
             Box::new(evictions_entries.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(evictions_users.clone()),
+            Box::new(cluster_users_rechecked.clone()),
             Box::new(reconcile_passes.clone()),
             Box::new(reconcile_dead_found.clone()),
             Box::new(drift_entries_removed.clone()),
@@ -265,20 +280,18 @@ impl Metrics {
             Box::new(fenced_servers.clone()),
             Box::new(fenced_servers_writing.clone()),
         ] {
-            registry.register(c).expect("unique metric names");
+            registry.register(c).expect(UNIQUE);
         }
         let redis_up = gauge(
             "registry_janitor_redis_up",
             "1 while Redis answers PING (checked every 5 s), 0 while it does not",
         );
-        registry
-            .register(Box::new(redis_up.clone()))
-            .expect("unique metric names");
+        registry.register(Box::new(redis_up.clone())).expect(UNIQUE);
         let reconcile_reachable_seconds = Gauge::new(
             "registry_janitor_reconcile_redis_reachable_seconds",
             "How long Redis has been reachable without a break, as the reconciler knows it; verdicts on silent servers wait while it is under heartbeat_grace_ms",
         )
-        .expect("valid metric");
+        .expect(VALID);
         let reconcile_outages = IntCounterVec::new(
             Opts::new(
                 "registry_janitor_reconcile_outages_total",
@@ -286,7 +299,7 @@ impl Metrics {
             ),
             &["cause"],
         )
-        .expect("valid metric");
+        .expect(VALID);
         let reconcile_verdicts_waiting = gauge(
             "registry_janitor_reconcile_verdicts_waiting",
             "Silent servers whose verdict the last reconcile pass held: Redis not yet reachable for a full grace",
@@ -296,7 +309,7 @@ impl Metrics {
             Box::new(reconcile_outages.clone()),
             Box::new(reconcile_verdicts_waiting.clone()),
         ] {
-            registry.register(c).expect("unique metric names");
+            registry.register(c).expect(UNIQUE);
         }
         for cause in crate::guard::reachable::CAUSES {
             reconcile_outages.with_label_values(&[cause]);
@@ -319,7 +332,7 @@ impl Metrics {
                     0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
                 ]),
             )
-            .expect("valid metric"),
+            .expect(VALID),
             cuts: counter(
                 "registry_janitor_step_window_cuts_total",
                 "Times the step window was halved because the queue delay exceeded latency_target_ms",
@@ -331,7 +344,7 @@ impl Metrics {
             Box::new(steps.queue_delay.clone()),
             Box::new(steps.cuts.clone()),
         ] {
-            registry.register(c).expect("unique metric names");
+            registry.register(c).expect(UNIQUE);
         }
         let receiver_requests = IntCounterVec::new(
             Opts::new(
@@ -340,7 +353,7 @@ impl Metrics {
             ),
             &["code"],
         )
-        .expect("valid metric");
+        .expect(VALID);
         let receiver_alerts = IntCounterVec::new(
             Opts::new(
                 "registry_janitor_receiver_alerts_total",
@@ -348,7 +361,7 @@ impl Metrics {
             ),
             &["outcome"],
         )
-        .expect("valid metric");
+        .expect(VALID);
         let receiver_unauthorized = counter(
             "registry_janitor_receiver_unauthorized_total",
             "Alert receiver: requests refused for a missing or wrong bearer token",
@@ -363,7 +376,7 @@ impl Metrics {
             Box::new(receiver_unauthorized.clone()),
             Box::new(receiver_in_flight.clone()),
         ] {
-            registry.register(c).expect("unique metric names");
+            registry.register(c).expect(UNIQUE);
         }
         for o in [
             alert_outcome::PUBLISHED,
@@ -396,16 +409,16 @@ impl Metrics {
             ),
             &["decision"],
         )
-        .expect("valid metric");
+        .expect(VALID);
         for d in guard_decision::ALL {
             guard_verdicts.with_label_values(&[d]);
         }
         registry
             .register(Box::new(guard_held.clone()))
-            .expect("unique metric names");
+            .expect(UNIQUE);
         registry
             .register(Box::new(guard_verdicts.clone()))
-            .expect("unique metric names");
+            .expect(UNIQUE);
         Metrics {
             registry,
             events,
@@ -430,6 +443,7 @@ impl Metrics {
             fenced_servers_writing,
             evictions_entries,
             evictions_users,
+            cluster_users_rechecked,
             redis_up,
             reconcile_reachable_seconds,
             reconcile_outages,
@@ -458,7 +472,7 @@ impl Metrics {
     /// adds all of its own; with several reconcilers, take the max over them, not the sum).
     pub fn observe_fences(&self, fences: &[crate::fence::Fence], writing_window_ms: u64) {
         let now = crate::now_ms();
-        let mut seen = self.fence_refusals_seen.lock().expect("not poisoned");
+        let mut seen = crate::lock::lock(&self.fence_refusals_seen);
         let mut standing = std::collections::HashMap::with_capacity(fences.len());
         for fence in fences {
             let before = seen.get(&fence.server_id).copied().unwrap_or_default();
@@ -479,11 +493,6 @@ impl Metrics {
             .filter(|f| f.writing(now, writing_window_ms))
             .count();
         self.fenced_servers_writing.set(writing as i64);
-    }
-
-    /// Count of events with `outcome`.
-    pub fn events_with(&self, outcome: &str) -> u64 {
-        self.events.with_label_values(&[outcome]).get()
     }
 
     /// The text exposition format, as served on /metrics.

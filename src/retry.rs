@@ -65,7 +65,7 @@ pub struct Watch {
     pub health: Arc<Health>,
     pub failing: Arc<Failing>,
     /// Told of every failed attempt: the reconciler's guard takes a failed call for a
-    /// Redis outage (see [`crate::guard::reachable`]); `None` elsewhere.
+    /// Redis outage (see `guard::reachable`); `None` elsewhere.
     pub on_failure: Option<OnFailure>,
 }
 

@@ -52,7 +52,7 @@ pub struct Status {
     pub reachable: Option<ReachableStatus>,
 }
 
-/// The reconciler's outage guard (see [`crate::guard::reachable`]).
+/// The reconciler's outage guard (see `guard::reachable`).
 #[derive(Debug, Clone, Serialize)]
 pub struct ReachableStatus {
     /// When the current stretch of reachable time began (Redis time, unix ms): the last

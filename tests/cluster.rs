@@ -35,7 +35,7 @@ impl ClusterFixture {
     ) -> Option<Self> {
         init_logs();
         if !RedisCluster::supported() {
-            eprintln!("SKIPPED: this redis-server cannot run a cluster (or redis-cli is missing)");
+            cannot_run("this redis-server cannot run a cluster (or redis-cli is missing)");
             return None;
         }
         let cluster = tokio::task::spawn_blocking(move || RedisCluster::start(masters, replicas))
@@ -138,7 +138,7 @@ async fn cleans_dead_servers_on_a_cluster(layout: Layout) {
     assert!(announced.iter().all(|(s, _)| s != live.as_str()));
     assert_eq!(cleaned.len(), 2, "{cleaned:?}");
     worker.settled().await;
-    assert_eq!(worker.metrics.events_with(outcome::CLEANED), 2);
+    assert_eq!(events_with(&worker.metrics, outcome::CLEANED), 2);
     assert_eq!(worker.metrics.entries_deleted.get(), 3_999);
     assert_eq!(worker.metrics.entries_kept.get(), 1);
     worker.stop().await;
@@ -1112,7 +1112,6 @@ async fn a_live_reshard_during_the_cleanup_loses_nothing() {
     for u in moved_before {
         f.registry.register(&f.conn, u, &live).await.unwrap();
     }
-    let fallbacks_before = registry_janitor::forward::fallback_users();
 
     // Reshards one after another until told to stop: 0 -> 1, 1 -> 2, 2 -> 0, ...
     let stop = Arc::new(AtomicBool::new(false));
@@ -1166,7 +1165,10 @@ async fn a_live_reshard_during_the_cleanup_loses_nothing() {
     f.cluster
         .wait_settled(Duration::from_secs(60))
         .expect("the cluster settles");
-    let fallbacks = registry_janitor::forward::fallback_users() - fallbacks_before;
+    let fallbacks = counter_of(
+        &worker.metrics,
+        "registry_janitor_cluster_users_rechecked_total",
+    );
     eprintln!(
         "reshards started before the acknowledgement: {reshards_at_ack}, done: {done}; \
          users checked slot by slot after a master's script: {fallbacks}"
@@ -1222,4 +1224,50 @@ async fn a_live_reshard_during_the_cleanup_loses_nothing() {
     );
     assert!(!cleaned.is_empty(), "server.cleaned was never announced");
     worker.stop().await;
+}
+
+/// route.lua declares `no-cluster`: a Redis Cluster refuses it whatever the owner's slot,
+/// and the Registry, given a plain connection to a cluster node, says why and what to do
+/// (on a cluster connection it routes in single-slot steps, without the script).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn route_lua_is_refused_on_a_cluster_whatever_the_owner() {
+    let Some(f) = ClusterFixture::start(3, 0, Layout::Hash, 10).await else {
+        return;
+    };
+    let live = server("gw-live#1");
+    f.registry.register(&f.conn, b"u1", &live).await.unwrap();
+    f.registry.heartbeat(&f.conn, &live, 60_000).await.unwrap();
+    assert_eq!(
+        f.registry.route(&f.conn, b"u1").await.unwrap().as_deref(),
+        Some("gw-live#1")
+    );
+    // A plain (not cluster) connection to the node that serves `registry`.
+    let registry_key = f.keys.registry();
+    let node = f
+        .cluster
+        .nodes
+        .iter()
+        .find(|n| {
+            let mut c = redis::Client::open(n.url())
+                .unwrap()
+                .get_connection()
+                .unwrap();
+            redis::cmd("HGET")
+                .arg(&registry_key)
+                .arg("u1")
+                .query::<Option<String>>(&mut c)
+                .is_ok()
+        })
+        .expect("a node serves the registry's slot");
+    let plain = connect(&settings(node, Layout::Hash));
+    let err = f
+        .registry
+        .route(&plain, b"u1")
+        .await
+        .expect_err("route.lua is refused on a cluster");
+    let message = err.to_string();
+    assert!(
+        message.contains("no-cluster") && message.contains("redis_cluster"),
+        "{message}"
+    );
 }

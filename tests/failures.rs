@@ -374,9 +374,9 @@ async fn random_entries(batch: Vec<Vec<(Vec<u8>, Vec<u8>)>>) {
         .iter()
         .all(|d| d.field("error").is_some_and(|e| !e.is_empty())));
     let m = &worker.metrics;
-    let handled = m.events_with(outcome::CLEANED)
-        + m.events_with(outcome::IGNORED)
-        + m.events_with(outcome::DEAD_LETTERED);
+    let handled = events_with(m, outcome::CLEANED)
+        + events_with(m, outcome::IGNORED)
+        + events_with(m, outcome::DEAD_LETTERED);
     assert_eq!(
         handled,
         batch.len() as u64,
@@ -427,7 +427,7 @@ async fn a_long_healthy_cleanup_is_not_taken_over() {
         "the cleanup took {took:?}: too short to prove anything"
     );
     first.settled().await;
-    assert_eq!(first.metrics.events_with(outcome::CLEANED), 1);
+    assert_eq!(events_with(&first.metrics, outcome::CLEANED), 1);
     assert_eq!(f.still_pointing(&dead, USERS).await, 0);
     first.stop().await;
     second.stop().await;
@@ -466,7 +466,7 @@ async fn a_cleanup_that_keeps_failing_is_dead_lettered_with_its_last_error() {
         "the last error is kept: {error}"
     );
     worker.settled().await;
-    assert_eq!(worker.metrics.events_with(outcome::FAILED), 2);
+    assert_eq!(events_with(&worker.metrics, outcome::FAILED), 2);
     worker.stop().await;
 }
 
@@ -488,7 +488,7 @@ async fn the_group_is_created_again_when_the_stream_vanishes() {
     f.wait_idle().await;
     assert_eq!(f.still_pointing(&second, 100).await, 0);
     worker.settled().await;
-    assert_eq!(worker.metrics.events_with(outcome::CLEANED), 2);
+    assert_eq!(events_with(&worker.metrics, outcome::CLEANED), 2);
     worker.stop().await;
 }
 
@@ -512,8 +512,8 @@ async fn scripts_are_loaded_again_after_script_flush() {
     f.wait_idle().await;
     assert_eq!(f.still_pointing(&dead, USERS).await, 0);
     worker.settled().await;
-    assert_eq!(worker.metrics.events_with(outcome::CLEANED), 1);
-    assert_eq!(worker.metrics.events_with(outcome::FAILED), 0);
+    assert_eq!(events_with(&worker.metrics, outcome::CLEANED), 1);
+    assert_eq!(events_with(&worker.metrics, outcome::FAILED), 0);
     worker.stop().await;
 }
 

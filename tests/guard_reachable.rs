@@ -477,7 +477,7 @@ async fn reconcile_once_after_a_restart_waits_for_reachable_time() {
 async fn a_sentinel_failover_longer_than_the_grace_fences_no_live_server() {
     init_logs();
     if !RedisSentinels::supported() {
-        eprintln!("SKIPPED: redis-server is not installed");
+        cannot_run("redis-server is not installed");
         return;
     }
     let mut group = tokio::task::spawn_blocking(|| {

@@ -74,7 +74,7 @@ async fn cleans_dead_servers(layout: Layout) {
     assert_eq!(scores[..2], [None, None], "dead servers left `servers`");
     assert!(scores[2].is_some(), "the live server is still known");
     worker.settled().await;
-    assert_eq!(worker.metrics.events_with(outcome::CLEANED), 2);
+    assert_eq!(events_with(&worker.metrics, outcome::CLEANED), 2);
     assert_eq!(worker.metrics.entries_deleted.get(), 9_998);
     assert_eq!(worker.metrics.entries_kept.get(), 2);
     worker.stop().await;
@@ -156,7 +156,7 @@ async fn a_server_with_no_users_is_cleaned() {
         .await;
     assert_eq!(score, None);
     worker.settled().await;
-    assert_eq!(worker.metrics.events_with(outcome::CLEANED), 1);
+    assert_eq!(events_with(&worker.metrics, outcome::CLEANED), 1);
     worker.stop().await;
 }
 
@@ -179,7 +179,7 @@ async fn duplicate_events_give_the_same_end_state() {
     let worker = spawn_worker(&f.settings);
     f.wait_idle().await;
     worker.settled().await;
-    assert_eq!(worker.metrics.events_with(outcome::CLEANED), 3);
+    assert_eq!(events_with(&worker.metrics, outcome::CLEANED), 3);
     assert_eq!(f.still_pointing(&dead, 3_000).await, 0);
     assert_eq!(f.still_pointing(&live, 1_000).await, 1_000);
     assert_eq!(f.owner(&user(&dead, 1)).await.as_deref(), Some("gw-live#1"));
@@ -210,7 +210,7 @@ async fn two_workers_share_one_stream() {
     }
     one.settled().await;
     let cleaned =
-        one.metrics.events_with(outcome::CLEANED) + two.metrics.events_with(outcome::CLEANED);
+        events_with(&one.metrics, outcome::CLEANED) + events_with(&two.metrics, outcome::CLEANED);
     assert_eq!(
         cleaned, 6,
         "every event cleaned exactly once across the two workers"
@@ -299,11 +299,11 @@ async fn malformed_entries_are_dead_lettered_and_the_group_moves_on() {
     }
     worker.settled().await;
     assert_eq!(
-        worker.metrics.events_with(outcome::DEAD_LETTERED),
+        events_with(&worker.metrics, outcome::DEAD_LETTERED),
         cases.len() as u64
     );
     assert_eq!(
-        worker.metrics.events_with(outcome::CLEANED),
+        events_with(&worker.metrics, outcome::CLEANED),
         1,
         "the valid event after them was cleaned"
     );
@@ -326,7 +326,7 @@ async fn foreign_types_are_acknowledged_not_dead_lettered() {
     let worker = spawn_worker(&f.settings);
     f.wait_idle().await;
     worker.settled().await;
-    assert_eq!(worker.metrics.events_with(outcome::IGNORED), 3);
+    assert_eq!(events_with(&worker.metrics, outcome::IGNORED), 3);
     assert!(f.dead_letters().await.is_empty());
     worker.stop().await;
 }
@@ -349,7 +349,7 @@ async fn an_entry_left_by_a_crashed_consumer_is_taken_over() {
     f.wait_idle().await;
     worker.settled().await;
     assert_eq!(worker.metrics.entries_claimed.get(), 1);
-    assert_eq!(worker.metrics.events_with(outcome::CLEANED), 1);
+    assert_eq!(events_with(&worker.metrics, outcome::CLEANED), 1);
     assert_eq!(f.still_pointing(&dead, 2_000).await, 0);
     worker.stop().await;
 }
@@ -385,7 +385,7 @@ async fn an_entry_delivered_too_often_is_dead_lettered() {
     assert!(error.contains("delivered 4 times"), "{error}");
     assert_eq!(dead_letters[0].field("type"), Some(EVENT_TYPE.as_bytes()));
     worker.settled().await;
-    assert_eq!(worker.metrics.events_with(outcome::CLEANED), 0);
+    assert_eq!(events_with(&worker.metrics, outcome::CLEANED), 0);
     worker.stop().await;
 }
 
@@ -400,7 +400,7 @@ async fn events_published_before_the_first_worker_are_processed() {
     f.wait_idle().await;
     assert_eq!(f.still_pointing(&early, 500).await, 0);
     worker.settled().await;
-    assert_eq!(worker.metrics.events_with(outcome::CLEANED), 1);
+    assert_eq!(events_with(&worker.metrics, outcome::CLEANED), 1);
     worker.stop().await;
 }
 
@@ -579,7 +579,7 @@ async fn limited_worker_cleans(order: &str) {
     );
     worker.settled().await;
     let m = &worker.metrics;
-    assert_eq!(m.events_with(outcome::CLEANED), 6);
+    assert_eq!(events_with(m, outcome::CLEANED), 6);
     assert_eq!(m.entries_deleted.get(), 21_000 - 1);
     assert_eq!(m.entries_kept.get(), 1);
     // 21,000 members in chunks of 500: at least 42 steps, each measured.
@@ -604,4 +604,44 @@ async fn a_limited_worker_cleans_smallest_first() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_limited_worker_cleans_round_robin() {
     limited_worker_cleans("round_robin").await;
+}
+
+/// Under RESP3 (`?protocol=resp3`) the scripts' replies decode as under RESP2: a cleanup
+/// runs to its end, and route answers the owner, or none (Lua `false`, a boolean there).
+#[tokio::test]
+async fn cleans_and_routes_under_resp3() {
+    let f = Fixture::with(Layout::Hash, |s| {
+        s.redis_url = format!("{}?protocol=resp3", s.redis_url)
+    });
+    let client: String = f.query(redis::cmd("CLIENT").arg("INFO")).await;
+    assert!(client.contains("resp=3"), "{client}");
+    let (dead, live) = (server("gw-dead#1"), server("gw-live#1"));
+    f.seed(&dead, 1_000).await;
+    f.registry
+        .register(&f.conn, b"u-live", &live)
+        .await
+        .unwrap();
+    f.registry.heartbeat(&f.conn, &live, 60_000).await.unwrap();
+    assert_eq!(
+        f.registry
+            .route(&f.conn, b"u-live")
+            .await
+            .unwrap()
+            .as_deref(),
+        Some("gw-live#1")
+    );
+    assert_eq!(f.registry.route(&f.conn, b"nobody").await.unwrap(), None);
+
+    let worker = spawn_worker(&f.settings);
+    f.kill(&dead).await;
+    f.wait_idle().await;
+    assert_eq!(f.still_pointing(&dead, 1_000).await, 0);
+    assert_eq!(
+        f.registry.route(&f.conn, &user(&dead, 1)).await.unwrap(),
+        None
+    );
+    worker.settled().await;
+    assert_eq!(events_with(&worker.metrics, outcome::CLEANED), 1);
+    assert_eq!(worker.metrics.entries_deleted.get(), 1_000);
+    worker.stop().await;
 }

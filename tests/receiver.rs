@@ -998,7 +998,7 @@ async fn prometheus_to_alertmanager_to_receiver_to_worker_cleans_the_dead_server
 async fn on_a_redis_cluster_each_alert_is_published_once_from_the_streams_slot() {
     init_logs();
     if !registry_janitor_testkit::RedisCluster::supported() {
-        eprintln!("SKIPPED: this redis-server cannot run a cluster (or redis-cli is missing)");
+        cannot_run("this redis-server cannot run a cluster (or redis-cli is missing)");
         return;
     }
     let cluster =

@@ -485,7 +485,7 @@ async fn a_cluster_runs_over_mutual_tls() {
     use registry_janitor_testkit::RedisCluster;
     init_logs();
     if !RedisCluster::supported() {
-        eprintln!("SKIPPED: this redis-server cannot run a cluster (or redis-cli is missing)");
+        cannot_run("this redis-server cannot run a cluster (or redis-cli is missing)");
         return;
     }
     let dir = tempfile::tempdir().unwrap();

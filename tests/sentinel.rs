@@ -30,7 +30,7 @@ impl SentinelFixture {
     async fn start(node_args: &'static [&'static str]) -> Option<Self> {
         init_logs();
         if !RedisSentinels::supported() {
-            eprintln!("SKIPPED: redis-server is not installed");
+            cannot_run("redis-server is not installed");
             return None;
         }
         let group = tokio::task::spawn_blocking(move || RedisSentinels::start(1, 3, node_args))

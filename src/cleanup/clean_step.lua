@@ -29,10 +29,8 @@
 -- The two may alternate or run side by side (workers on duplicate events): SSCAN still
 -- returns every member that stays in the set, and popped members were handled.
 --
--- The cursor fields are `walk_cursor` and `walk_run_id`, not the `cursor` and `run_id`
--- of versions before the rename: an older worker never applies a cursor of `walking` to
--- a `users` set. (An older worker still must not run beside this one: it would take a
--- renamed set for a finished cleanup. See the README, Upgrading.)
+-- The cursor fields are `walk_cursor` and `walk_run_id`: a cursor of the `walking` set,
+-- never of `users`.
 --
 -- KEYS[1] server:{S}:users   KEYS[2] server:{S}:walking   KEYS[3] server:{S}:moved
 -- KEYS[4] server:{S}:cleanup KEYS[5] servers   KEYS[6] registry (layout hash)

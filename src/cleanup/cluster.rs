@@ -12,6 +12,7 @@ use crate::{
     conn::{cluster_epoch, RedisConn},
     error::{Error, Result},
     event::ServerId,
+    reply::Fields,
     retry::retrying_counted,
 };
 
@@ -20,14 +21,98 @@ static CLUSTER_SCAN: LazyLock<redis::Script> =
 static CLUSTER_ADVANCE: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(include_str!("cluster_advance.lua")));
 
-/// One chunk of a cluster walk, as cluster_scan.lua returned it.
-struct Chunk<'a> {
+/// One chunk of a cluster walk, as cluster_scan.lua replies it: {walk number, cursor
+/// used, next cursor, members}; {'', '', '0', {}} when there is nothing to walk.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Chunk {
     /// The walk's number: an advance from an earlier walk is refused.
-    walk: &'a str,
+    walk: String,
     /// The cursor the chunk was scanned at, and the next one.
-    at: &'a str,
-    next: &'a str,
-    scanned: usize,
+    at: String,
+    next: Next,
+    members: Vec<Vec<u8>>,
+}
+
+/// Where a cluster walk goes after a chunk.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Next {
+    /// The walk of the set is over (SSCAN's cursor 0), or there was nothing to walk.
+    End,
+    /// Members set aside were folded into the reverse set; the walk starts at the next
+    /// scan (cursor `fold`).
+    Fold,
+    /// The walk goes on from this cursor.
+    At(String),
+}
+
+impl Next {
+    /// The cursor as cluster_advance.lua takes it.
+    fn as_str(&self) -> &str {
+        match self {
+            Next::End => "0",
+            Next::Fold => "fold",
+            Next::At(cursor) => cursor,
+        }
+    }
+}
+
+impl redis::FromRedisValue for Chunk {
+    fn from_redis_value(v: redis::Value) -> std::result::Result<Self, redis::ParsingError> {
+        let mut f = Fields::new("cluster_scan.lua", v, 4)?;
+        let (walk, at) = (f.next("walk")?, f.next("cursor")?);
+        let next = match f.next::<String>("next cursor")?.as_str() {
+            "0" => Next::End,
+            "fold" => Next::Fold,
+            cursor => Next::At(cursor.to_owned()),
+        };
+        let members = f.next("members")?;
+        Ok(Chunk {
+            walk,
+            at,
+            next,
+            members,
+        })
+    }
+}
+
+/// What cluster_advance.lua did with a chunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Advanced {
+    /// Nothing is left to walk: the progress record is gone.
+    Done,
+    /// The walk is made again (a failover, or errors during it).
+    Again,
+    /// The cursor moved (or the next set is walked next).
+    Moved,
+    /// Another worker moved the cursor first, or the chunk's walk is over.
+    Raced,
+}
+
+/// cluster_advance.lua's reply: {answer, total deleted, total kept}, the totals of the
+/// cleanup so far.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Advance {
+    advanced: Advanced,
+    deleted: u64,
+    kept: u64,
+}
+
+impl redis::FromRedisValue for Advance {
+    fn from_redis_value(v: redis::Value) -> std::result::Result<Self, redis::ParsingError> {
+        let mut f = Fields::new("cluster_advance.lua", v, 3)?;
+        let advanced = f.state("answer", |s| match s {
+            "done" => Some(Advanced::Done),
+            "again" => Some(Advanced::Again),
+            "advanced" => Some(Advanced::Moved),
+            "raced" => Some(Advanced::Raced),
+            _ => None,
+        })?;
+        Ok(Advance {
+            advanced,
+            deleted: f.next("total deleted")?,
+            kept: f.next("total kept")?,
+        })
+    }
 }
 
 /// How long the end of a walk waits for the replicas to hold its deletes.
@@ -59,7 +144,7 @@ impl Cleaner {
         // This cleanup's failed attempts: any during a walk make it walk again.
         let errors =
             prometheus::IntCounter::new("cleanup_errors", "this cleanup's failed attempts")
-                .expect("valid counter");
+                .expect("a fixed, valid counter name and help");
         let flush_errors = || {
             if let Some(global) = &self.errors {
                 global.inc_by(errors.get());
@@ -78,14 +163,15 @@ impl Cleaner {
                 flush_errors();
                 return Err(Error::Cancelled);
             }
-            let (step, advanced, totals) = self
+            let (step, advanced) = self
                 .cluster_chunk(conn, server, event_id, &mut epoch, &errors, stop)
                 .await?;
             report.add(&step);
             on_step(&step);
-            match advanced.as_str() {
-                "done" => {
+            match advanced.advanced {
+                Advanced::Done => {
                     flush_errors();
+                    let totals = (advanced.deleted, advanced.kept);
                     let event = entry.map(|entry| (entry, event_id, totals));
                     if self
                         .finish_on_cluster(conn, server, event, &mut report, stop)
@@ -95,23 +181,23 @@ impl Cleaner {
                     }
                     tracing::info!(server_id = %server, "members were added to the reverse set as the cleanup finished: walking them");
                 }
-                "again" => {
+                Advanced::Again => {
                     flush_errors();
                     // A failover may have lost the fence as well as deletes: record it
                     // again (idempotent), before the walk that redoes them.
                     self.fence(conn, server, entry, stop, true).await?;
                     tracing::info!(server_id = %server, "the cluster failed over (or errors were seen) during the walk: walking the set once more");
                 }
-                _ => {}
+                Advanced::Moved | Advanced::Raced => {}
             }
         }
     }
 
     /// One chunk: scan (slot of `{S}`), check-and-delete (the entries' slots), the
     /// announcement of the evicted users (the evictions stream's slot), and at the end of
-    /// a walk a fresh read of the epoch, then advance (slot of `{S}`). Returns the step,
-    /// what the advance said ('done', 'again', 'advanced' or 'raced') and, when 'done',
-    /// the cleanup's totals (deleted, kept) as the progress record counted them.
+    /// a walk a fresh read of the epoch, then advance (slot of `{S}`). Returns the step
+    /// and what the advance said, with the cleanup's totals (deleted, kept) as the
+    /// progress record counted them.
     ///
     /// The announcement names the users this chunk deleted and those whose entry was
     /// already gone: the cursor moves only after it, so a chunk repeated after a crash, or
@@ -126,17 +212,17 @@ impl Cleaner {
         epoch: &mut u64,
         errors: &prometheus::IntCounter,
         stop: &CancellationToken,
-    ) -> Result<(Step, String, (u64, u64))> {
-        let (walk, at, next, members) =
-            retrying_counted("cleanup scan", stop, Some(errors), || {
-                self.cluster_scan(conn, server, *epoch)
-            })
-            .await?;
-        let checked = retrying_counted("cleanup delete", stop, Some(errors), || {
-            crate::forward::check_delete(conn, &self.keys, self.layout, server, &members)
+    ) -> Result<(Step, Advance)> {
+        let chunk = retrying_counted("cleanup scan", stop, Some(errors), || {
+            self.cluster_scan(conn, server, *epoch)
         })
         .await?;
-        let (deleted, kept) = (checked.deleted, checked.kept);
+        let members = &chunk.members;
+        let checked = retrying_counted("cleanup delete", stop, Some(errors), || {
+            crate::forward::check_delete(conn, &self.keys, self.layout, server, members)
+        })
+        .await?;
+        let (deleted, kept, rechecked) = (checked.deleted, checked.kept, checked.rechecked);
         let mut gone = checked.deleted_users;
         gone.extend(checked.absent_users);
         let announced = retrying_counted("announcing evictions", stop, Some(errors), || {
@@ -150,7 +236,7 @@ impl Cleaner {
             )
         })
         .await?;
-        if next == "0" {
+        if chunk.next == Next::End {
             // The walk's deletes (on every master) reach the replicas before the epoch
             // that decides whether they stand is read: a failover after this cannot lose
             // them, one before it changed the epoch and the walk is made again.
@@ -164,28 +250,22 @@ impl Cleaner {
             *epoch = retrying_counted("cluster epoch", stop, Some(errors), || cluster_epoch(conn))
                 .await?;
         }
-        let chunk = Chunk {
-            walk: &walk,
-            at: &at,
-            next: &next,
-            scanned: members.len(),
-        };
         let saw_errors = errors.get() > 0;
-        let (advanced, total_deleted, total_kept) =
-            retrying_counted("cleanup advance", stop, Some(errors), || {
-                self.cluster_advance(conn, server, &chunk, (deleted, kept), *epoch, saw_errors)
-            })
-            .await?;
+        let advanced = retrying_counted("cleanup advance", stop, Some(errors), || {
+            self.cluster_advance(conn, server, &chunk, (deleted, kept), *epoch, saw_errors)
+        })
+        .await?;
         let step = Step {
-            done: advanced == "done",
+            done: advanced.advanced == Advanced::Done,
             scanned: members.len() as u64,
             deleted,
             kept,
             announced,
             announced_users: if announced > 0 { gone.len() as u64 } else { 0 },
             execution_us: 0,
+            rechecked,
         };
-        Ok((step, advanced, (total_deleted, total_kept)))
+        Ok((step, advanced))
     }
 
     /// After the step that found nothing left: `server.cleaned` on the evictions stream,
@@ -249,12 +329,7 @@ impl Cleaner {
         .await
     }
 
-    async fn cluster_scan(
-        &self,
-        conn: &RedisConn,
-        server: &ServerId,
-        epoch: u64,
-    ) -> Result<(String, String, String, Vec<Vec<u8>>)> {
+    async fn cluster_scan(&self, conn: &RedisConn, server: &ServerId, epoch: u64) -> Result<Chunk> {
         let mut call = CLUSTER_SCAN.prepare_invoke();
         call.key(self.keys.server_users(server))
             .key(self.keys.server_walking(server))
@@ -269,24 +344,73 @@ impl Cleaner {
         &self,
         conn: &RedisConn,
         server: &ServerId,
-        chunk: &Chunk<'_>,
+        chunk: &Chunk,
         (deleted, kept): (u64, u64),
         epoch: u64,
         saw_errors: bool,
-    ) -> Result<(String, u64, u64)> {
+    ) -> Result<Advance> {
         let mut call = CLUSTER_ADVANCE.prepare_invoke();
         call.key(self.keys.server_users(server))
             .key(self.keys.server_walking(server))
             .key(self.keys.server_cleanup(server))
             .key(self.keys.server_moved(server))
-            .arg(chunk.walk)
-            .arg(chunk.at)
-            .arg(chunk.next)
-            .arg(chunk.scanned)
+            .arg(&chunk.walk)
+            .arg(&chunk.at)
+            .arg(chunk.next.as_str())
+            .arg(chunk.members.len())
             .arg(epoch)
             .arg(if saw_errors { "1" } else { "0" })
             .arg(deleted)
             .arg(kept);
         Ok(call.invoke_async(&mut conn.clone()).await?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use redis::{FromRedisValue, Value};
+
+    fn bulk(s: &str) -> Value {
+        Value::BulkString(s.as_bytes().to_vec())
+    }
+
+    #[test]
+    fn scan_replies_decode_into_a_chunk_with_its_next_cursor() {
+        let chunk = |next: &str| {
+            Chunk::from_redis_value(Value::Array(vec![
+                bulk("2"),
+                bulk("0"),
+                bulk(next),
+                Value::Array(vec![bulk("u1")]),
+            ]))
+            .unwrap()
+        };
+        assert_eq!(chunk("0").next, Next::End);
+        assert_eq!(chunk("fold").next, Next::Fold);
+        assert_eq!(chunk("17").next, Next::At("17".into()));
+        assert_eq!(chunk("17").members, vec![b"u1".to_vec()]);
+        assert!(Chunk::from_redis_value(Value::Array(vec![]))
+            .unwrap_err()
+            .to_string()
+            .contains("cluster_scan.lua"));
+    }
+
+    #[test]
+    fn advance_replies_decode_into_named_answers() {
+        let advance = |answer: &str| {
+            Advance::from_redis_value(Value::Array(vec![
+                bulk(answer),
+                Value::Int(5),
+                Value::Int(2),
+            ]))
+        };
+        assert_eq!(advance("done").unwrap().advanced, Advanced::Done);
+        assert_eq!(advance("again").unwrap().advanced, Advanced::Again);
+        assert_eq!(advance("advanced").unwrap().advanced, Advanced::Moved);
+        assert_eq!(advance("raced").unwrap().advanced, Advanced::Raced);
+        assert_eq!(advance("done").unwrap().deleted, 5);
+        let err = advance("sideways").unwrap_err().to_string();
+        assert!(err.contains("cluster_advance.lua"), "{err}");
     }
 }

@@ -278,24 +278,24 @@ impl Limiter {
 
     /// The window now.
     pub fn window(&self) -> usize {
-        self.state.lock().expect("limiter lock").window
+        crate::lock::lock(&self.state).window
     }
 
     /// Steps holding a permit now.
     pub fn in_flight(&self) -> usize {
-        self.state.lock().expect("limiter lock").in_flight
+        crate::lock::lock(&self.state).in_flight
     }
 
     /// Times the window was cut so far.
     pub fn cuts(&self) -> u64 {
-        self.state.lock().expect("limiter lock").cuts
+        crate::lock::lock(&self.state).cuts
     }
 
     /// Waits for a permit to send one step of a cleanup with `members_left` members left
     /// (the key of `smallest_first`; ignored in `round_robin` order).
     pub async fn acquire(self: &Arc<Self>, members_left: u64) -> Permit {
         let rx = {
-            let mut state = self.state.lock().expect("limiter lock");
+            let mut state = crate::lock::lock(&self.state);
             state.asked += 1;
             if state.waiting.is_empty() && state.in_flight < state.window {
                 state.in_flight += 1;
@@ -319,9 +319,19 @@ impl Limiter {
             Ok(rx) => rx,
             Err((permit, pause)) => return self.paced(permit, pause).await,
         };
-        // The sender is only dropped by the limiter, which is alive while we hold it.
-        let permit = rx.await.expect("the limiter grants or is alive");
-        let pause = self.state.lock().expect("limiter lock").pause;
+        let permit = match rx.await {
+            Ok(permit) => permit,
+            // The sender is dropped only with the limiter, which is alive while we hold
+            // it: should it be dropped unanswered all the same, this step takes a place
+            // of its own, as when the window has room.
+            Err(_) => {
+                let mut state = crate::lock::lock(&self.state);
+                state.in_flight += 1;
+                self.show(&state);
+                self.permit()
+            }
+        };
+        let pause = crate::lock::lock(&self.state).pause;
         self.paced(permit, pause).await
     }
 
@@ -339,7 +349,7 @@ impl Limiter {
     /// whole fleet starts at once after a zone outage, and its first steps at full
     /// `chunk_size` (several ms each) all queue in front of the lookups at the same moment.
     pub fn step_size(&self, chunk_size: usize) -> usize {
-        let per_member = self.state.lock().expect("limiter lock").us_per_member;
+        let per_member = crate::lock::lock(&self.state).us_per_member;
         let floor = MIN_STEP.min(chunk_size);
         match per_member {
             // A float cast saturates: steps measured at 0 us per member fit usize::MAX.
@@ -354,7 +364,7 @@ impl Limiter {
     /// the way to it.
     fn observe_step(&self, execution: Duration, members: u64) {
         let sample = execution.as_micros() as f64 / members as f64;
-        let mut state = self.state.lock().expect("limiter lock");
+        let mut state = crate::lock::lock(&self.state);
         state.us_per_member = Some(match state.us_per_member {
             Some(avg) => avg * 0.8 + sample * 0.2,
             None => sample,
@@ -363,7 +373,7 @@ impl Limiter {
 
     /// The pause before each step now (zero unless the window is at its floor of one).
     pub fn pause(&self) -> Duration {
-        self.state.lock().expect("limiter lock").pause
+        crate::lock::lock(&self.state).pause
     }
 
     fn permit(self: &Arc<Self>) -> Permit {
@@ -376,7 +386,7 @@ impl Limiter {
     /// A permit is given back, with (sent at, round trip minus execution) when its step
     /// completed; what is above the base delay is the queue delay.
     fn release(self: &Arc<Self>, measured: Option<(Instant, Duration)>) {
-        let mut state = self.state.lock().expect("limiter lock");
+        let mut state = crate::lock::lock(&self.state);
         state.in_flight -= 1;
         if let Some((sent, delay)) = measured {
             let delay = delay.saturating_sub(state.base.observe(delay));

@@ -22,7 +22,7 @@
 //! cluster_advance.lua). The check-and-delete of forward entries is [`crate::forward`].
 
 mod cluster;
-pub mod limiter;
+pub(crate) mod limiter;
 mod single;
 
 use std::sync::{Arc, LazyLock};
@@ -145,6 +145,10 @@ pub struct Step {
     /// Time the step's script ran inside Redis, in microseconds (single node; 0 on a
     /// cluster).
     pub execution_us: u64,
+    /// Users that a master's check-and-delete script did not check (their slot moved or
+    /// is moving, or the script failed), checked by the per-slot scripts instead
+    /// (cluster, layout `keys`; 0 otherwise).
+    pub rechecked: u64,
 }
 
 /// The `server.dead` a cleanup answers: its stream entry, which the cleanup acknowledges,

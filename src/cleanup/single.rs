@@ -4,7 +4,7 @@
 
 use std::{
     sync::{
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
         LazyLock,
     },
     time::Duration,
@@ -13,11 +13,15 @@ use std::{
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio_util::sync::CancellationToken;
 
-use super::{limiter::StepOrder, Cleaner, Report, Step, WalkMode};
+use super::{
+    limiter::{Permit, StepOrder},
+    Cleaner, Report, Step, WalkMode,
+};
 use crate::{
     conn::RedisConn,
     error::{Error, Result},
     event::ServerId,
+    reply::{malformed, Fields},
     retry::retrying_counted,
 };
 
@@ -25,7 +29,8 @@ static CLEAN_STEP: LazyLock<redis::Script> =
     LazyLock::new(|| crate::forward::with_prelude(include_str!("clean_step.lua")));
 
 impl Cleaner {
-    /// [`Cleaner::clean_event`] on one node.
+    /// [`Cleaner::clean_event`] on one node: `chunks_in_flight` steps kept queued, each
+    /// queued again until a step finds nothing left (see [`NodeWalk::step`]).
     pub(super) async fn clean_on_node(
         &self,
         conn: &RedisConn,
@@ -35,61 +40,16 @@ impl Cleaner {
         stop: &CancellationToken,
         mut on_step: impl FnMut(&Step),
     ) -> Result<Report> {
-        // Once Redis says OOM, the rest of this cleanup walks in the mode that takes no
-        // memory: the cleanup is what frees it.
-        let oom = std::sync::atomic::AtomicBool::new(false);
-        // With a limiter, the members left (read once, then counted down by this
-        // worker's steps) order the cleanups' steps when `step_order` is smallest_first.
-        let left = AtomicU64::new(match &self.limiter {
-            Some(limiter) if limiter.order() == StepOrder::SmallestFirst => {
-                self.members_left(conn, server).await.unwrap_or(u64::MAX)
-            }
-            _ => 0,
-        });
-        let step = || {
-            retrying_counted("cleanup step", stop, self.errors.as_ref(), || async {
-                let mode = if oom.load(Ordering::Relaxed) {
-                    WalkMode::Pop
-                } else {
-                    WalkMode::Scan
-                };
-                let mut permit = match &self.limiter {
-                    Some(limiter) => Some(limiter.acquire(left.load(Ordering::Relaxed)).await),
-                    None => None,
-                };
-                if let Some(permit) = permit.as_mut() {
-                    permit.sent();
-                }
-                let size = match &self.limiter {
-                    Some(limiter) => limiter.step_size(self.chunk_size),
-                    None => self.chunk_size,
-                };
-                let result = self
-                    .step_sized(conn, server, mode, event_id, entry, size)
-                    .await;
-                let result = match result {
-                    Err(Error::Redis(e)) if e.code() == Some("OOM") && mode == WalkMode::Scan => {
-                        if !oom.swap(true, Ordering::Relaxed) {
-                            tracing::warn!(server_id = %server, "Redis is out of memory: walking on with SPOP, which needs none");
-                        }
-                        // The round trip measured is the retry's alone.
-                        if let Some(permit) = permit.as_mut() {
-                            permit.sent();
-                        }
-                        self.step_sized(conn, server, WalkMode::Pop, event_id, entry, size)
-                            .await
-                    }
-                    other => other,
-                };
-                if let (Some(permit), Ok(step)) = (permit, &result) {
-                    permit.complete(Duration::from_micros(step.execution_us), step.scanned);
-                    let _ = left.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
-                        Some(n.saturating_sub(step.scanned))
-                    });
-                }
-                result
-            })
+        let walk = NodeWalk {
+            cleaner: self,
+            conn,
+            server,
+            event_id,
+            entry,
+            oom: AtomicBool::new(false),
+            left: AtomicU64::new(self.members_left_for_order(conn, server).await),
         };
+        let step = || retrying_counted("cleanup step", stop, self.errors.as_ref(), || walk.step());
         let mut report = Report::default();
         let mut in_flight: FuturesUnordered<_> =
             (0..self.chunks_in_flight).map(|_| step()).collect();
@@ -129,8 +89,19 @@ impl Cleaner {
         Ok(users + walking + moved)
     }
 
+    /// With a limiter whose `step_order` is smallest_first, the members left (read once,
+    /// then counted down by this worker's steps) order the cleanups' steps; 0 otherwise.
+    async fn members_left_for_order(&self, conn: &RedisConn, server: &ServerId) -> u64 {
+        match &self.limiter {
+            Some(limiter) if limiter.order() == StepOrder::SmallestFirst => {
+                self.members_left(conn, server).await.unwrap_or(u64::MAX)
+            }
+            _ => 0,
+        }
+    }
+
     /// One call of the step script, walking `chunk_size` members with SSCAN (see
-    /// [`Cleaner::step_sized`]).
+    /// `step_sized`).
     pub async fn step(&self, conn: &RedisConn, server: &ServerId) -> Result<Step> {
         self.step_sized(conn, server, WalkMode::Scan, "", None, self.chunk_size)
             .await
@@ -172,24 +143,196 @@ impl Cleaner {
             .arg(crate::keys::GROUP)
             .arg(entry.unwrap_or(""))
             .arg(event_id);
-        let (done, scanned, deleted, kept, _mode, announced, execution_us): (
-            i64,
-            u64,
-            u64,
-            u64,
-            String,
-            u64,
-            u64,
-        ) = call.invoke_async(&mut conn.clone()).await?;
+        let reply: StepReply = call.invoke_async(&mut conn.clone()).await?;
         Ok(Step {
-            done: done == 1,
+            done: reply.done,
+            scanned: reply.scanned,
+            deleted: reply.deleted,
+            kept: reply.kept,
+            announced: reply.announced,
+            // On one node exactly the users the step deleted.
+            announced_users: if reply.announced > 0 {
+                reply.deleted
+            } else {
+                0
+            },
+            execution_us: reply.execution_us,
+            rechecked: 0,
+        })
+    }
+}
+
+/// One cleanup's walk on one node, shared by its steps in flight.
+struct NodeWalk<'a> {
+    cleaner: &'a Cleaner,
+    conn: &'a RedisConn,
+    server: &'a ServerId,
+    event_id: &'a str,
+    entry: Option<&'a str>,
+    /// Set once Redis says OOM: the rest of this cleanup walks in the mode that takes no
+    /// memory, since the cleanup is what frees it.
+    oom: AtomicBool,
+    /// The members left, for the limiter's order (see [`Cleaner::members_left_for_order`]).
+    left: AtomicU64,
+}
+
+impl NodeWalk<'_> {
+    /// One step: a permit from the limiter (when there is one), the step at the size the
+    /// limiter allows, and its time and size reported back to the limiter.
+    async fn step(&self) -> Result<Step> {
+        let limiter = self.cleaner.limiter.as_ref();
+        let mut permit = match limiter {
+            Some(limiter) => Some(limiter.acquire(self.left.load(Ordering::Relaxed)).await),
+            None => None,
+        };
+        if let Some(permit) = permit.as_mut() {
+            permit.sent();
+        }
+        let size = match limiter {
+            Some(limiter) => limiter.step_size(self.cleaner.chunk_size),
+            None => self.cleaner.chunk_size,
+        };
+        let result = self.step_or_pop(size, permit.as_mut()).await;
+        if let (Some(permit), Ok(step)) = (permit, &result) {
+            self.completed(permit, step);
+        }
+        result
+    }
+
+    /// The step in this walk's mode; one refused for out of memory while scanning is
+    /// made again with SPOP, the mode for the rest of the walk.
+    async fn step_or_pop(&self, size: usize, permit: Option<&mut Permit>) -> Result<Step> {
+        let mode = if self.oom.load(Ordering::Relaxed) {
+            WalkMode::Pop
+        } else {
+            WalkMode::Scan
+        };
+        match self.step_in(mode, size).await {
+            Err(Error::Redis(e)) if e.code() == Some("OOM") && mode == WalkMode::Scan => {
+                if !self.oom.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(server_id = %self.server, "Redis is out of memory: walking on with SPOP, which needs none");
+                }
+                // The round trip measured is the retry's alone.
+                if let Some(permit) = permit {
+                    permit.sent();
+                }
+                self.step_in(WalkMode::Pop, size).await
+            }
+            other => other,
+        }
+    }
+
+    async fn step_in(&self, mode: WalkMode, size: usize) -> Result<Step> {
+        self.cleaner
+            .step_sized(
+                self.conn,
+                self.server,
+                mode,
+                self.event_id,
+                self.entry,
+                size,
+            )
+            .await
+    }
+
+    /// Tells the limiter how long the step ran and how many members it walked, and
+    /// counts them off the members left.
+    fn completed(&self, permit: Permit, step: &Step) {
+        permit.complete(Duration::from_micros(step.execution_us), step.scanned);
+        let _ = self
+            .left
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                Some(n.saturating_sub(step.scanned))
+            });
+    }
+}
+
+/// What clean_step.lua replies: {done (0/1), members walked, entries deleted, entries
+/// kept, mode walked, evictions entries written, execution time in microseconds}.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct StepReply {
+    /// This step found nothing left (and acknowledged the entry, when given one).
+    done: bool,
+    scanned: u64,
+    deleted: u64,
+    kept: u64,
+    announced: u64,
+    execution_us: u64,
+}
+
+impl redis::FromRedisValue for StepReply {
+    fn from_redis_value(v: redis::Value) -> std::result::Result<Self, redis::ParsingError> {
+        let mut f = Fields::new("clean_step.lua", v, 7)?;
+        let done = f.next::<u8>("done")?;
+        let (scanned, deleted, kept) = (f.next("members")?, f.next("deleted")?, f.next("kept")?);
+        // The mode the step walked in: checked, not needed (a step the script switched
+        // to SPOP walked all the same).
+        let _walked = f.state("mode", |s| match s {
+            "scan" => Some(WalkMode::Scan),
+            "pop" => Some(WalkMode::Pop),
+            _ => None,
+        })?;
+        let (announced, execution_us) = (f.next("announced")?, f.next("execution_us")?);
+        let done = match done {
+            0 => false,
+            1 => true,
+            n => {
+                return Err(malformed(
+                    f.script(),
+                    "done 0 or 1",
+                    &redis::Value::Int(n.into()),
+                ))
+            }
+        };
+        Ok(StepReply {
+            done,
             scanned,
             deleted,
             kept,
             announced,
-            // On one node exactly the users the step deleted.
-            announced_users: if announced > 0 { deleted } else { 0 },
             execution_us,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use redis::{FromRedisValue, Value};
+
+    fn reply(mode: &str) -> Value {
+        Value::Array(vec![
+            Value::Int(1),
+            Value::Int(10),
+            Value::Int(7),
+            Value::Int(3),
+            Value::BulkString(mode.as_bytes().to_vec()),
+            Value::Int(1),
+            Value::Int(250),
+        ])
+    }
+
+    #[test]
+    fn the_step_reply_decodes_into_its_fields() {
+        let step = StepReply::from_redis_value(reply("pop")).unwrap();
+        assert_eq!(
+            step,
+            StepReply {
+                done: true,
+                scanned: 10,
+                deleted: 7,
+                kept: 3,
+                announced: 1,
+                execution_us: 250
+            }
+        );
+    }
+
+    #[test]
+    fn a_malformed_step_reply_is_an_error_naming_the_script() {
+        let err = StepReply::from_redis_value(reply("sideways")).unwrap_err();
+        assert!(err.to_string().contains("clean_step.lua"), "{err}");
+        let err = StepReply::from_redis_value(Value::Int(1)).unwrap_err();
+        assert!(err.to_string().contains("clean_step.lua"), "{err}");
     }
 }

@@ -71,6 +71,10 @@ pub enum Eviction {
     },
 }
 
+/// What the payloads' `expect` relies on: rmp's writers fail only when their writer does,
+/// and a `Vec<u8>` takes every byte.
+const WRITING_TO_A_VEC: &str = "writing MessagePack to a Vec<u8> cannot fail";
+
 /// A `users.evicted` payload (MessagePack map with named keys, users as binary).
 pub fn evicted_payload(
     server: &ServerId,
@@ -81,24 +85,26 @@ pub fn evicted_payload(
 ) -> Vec<u8> {
     use rmp::encode::*;
     let mut out = Vec::with_capacity(96 + users.iter().map(|u| u.len() + 3).sum::<usize>());
-    let w = &mut out;
-    // Writing to a Vec cannot fail.
-    write_map_len(w, 6).expect("vec");
-    write_str(w, "v").expect("vec");
-    write_uint(w, VERSION).expect("vec");
-    write_str(w, "source").expect("vec");
-    write_str(w, source.as_str()).expect("vec");
-    write_str(w, "server_id").expect("vec");
-    write_str(w, server.as_str()).expect("vec");
-    write_str(w, "event_id").expect("vec");
-    write_str(w, event_id).expect("vec");
-    write_str(w, "users").expect("vec");
-    write_array_len(w, users.len() as u32).expect("vec");
-    for u in users {
-        write_bin(w, u).expect("vec");
-    }
-    write_str(w, "evicted_at_ms").expect("vec");
-    write_uint(w, at_ms).expect("vec");
+    let write = |w: &mut Vec<u8>| -> Result<(), ValueWriteError> {
+        write_map_len(w, 6)?;
+        write_str(w, "v")?;
+        write_uint(w, VERSION)?;
+        write_str(w, "source")?;
+        write_str(w, source.as_str())?;
+        write_str(w, "server_id")?;
+        write_str(w, server.as_str())?;
+        write_str(w, "event_id")?;
+        write_str(w, event_id)?;
+        write_str(w, "users")?;
+        write_array_len(w, users.len() as u32)?;
+        for u in users {
+            write_bin(w, u)?;
+        }
+        write_str(w, "evicted_at_ms")?;
+        write_uint(w, at_ms)?;
+        Ok(())
+    };
+    write(&mut out).expect(WRITING_TO_A_VEC);
     out
 }
 
@@ -112,25 +118,28 @@ pub fn cleaned_payload(
 ) -> Vec<u8> {
     use rmp::encode::*;
     let mut out = Vec::with_capacity(128);
-    let w = &mut out;
-    write_map_len(w, 6).expect("vec");
-    for (key, value) in [("v", None), ("server_id", Some(server.as_str()))] {
-        write_str(w, key).expect("vec");
-        match value {
-            None => write_uint(w, VERSION).map(|_| ()).expect("vec"),
-            Some(s) => write_str(w, s).expect("vec"),
+    let write = |w: &mut Vec<u8>| -> Result<(), ValueWriteError> {
+        write_map_len(w, 6)?;
+        for (key, value) in [("v", None), ("server_id", Some(server.as_str()))] {
+            write_str(w, key)?;
+            match value {
+                None => write_uint(w, VERSION).map(|_| ())?,
+                Some(s) => write_str(w, s)?,
+            }
         }
-    }
-    write_str(w, "event_id").expect("vec");
-    write_str(w, event_id).expect("vec");
-    for (key, n) in [
-        ("deleted", deleted),
-        ("kept", kept),
-        ("cleaned_at_ms", at_ms),
-    ] {
-        write_str(w, key).expect("vec");
-        write_uint(w, n).expect("vec");
-    }
+        write_str(w, "event_id")?;
+        write_str(w, event_id)?;
+        for (key, n) in [
+            ("deleted", deleted),
+            ("kept", kept),
+            ("cleaned_at_ms", at_ms),
+        ] {
+            write_str(w, key)?;
+            write_uint(w, n)?;
+        }
+        Ok(())
+    };
+    write(&mut out).expect(WRITING_TO_A_VEC);
     out
 }
 

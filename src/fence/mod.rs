@@ -42,7 +42,7 @@ pub async fn record(
     call.key(keys.server_fence(server))
         .arg(ttl_ms)
         .arg(entry.unwrap_or(""));
-    let (fenced_at, now): (u64, u64) = call.invoke_async(&mut conn.clone()).await?;
+    let Recorded { fenced_at, now } = call.invoke_async(&mut conn.clone()).await?;
     // The index is for status and metrics only, in another slot on a cluster: the fence
     // above is what the protocol checks.
     let _: i64 = redis::cmd("ZADD")
@@ -52,6 +52,22 @@ pub async fn record(
         .query_async(&mut conn.clone())
         .await?;
     Ok(fenced_at)
+}
+
+/// record.lua's reply: {the unix ms of the first verdict, Redis's time now (unix ms)}.
+struct Recorded {
+    fenced_at: u64,
+    now: u64,
+}
+
+impl redis::FromRedisValue for Recorded {
+    fn from_redis_value(v: redis::Value) -> std::result::Result<Self, redis::ParsingError> {
+        let mut f = crate::reply::Fields::new("fence/record.lua", v, 2)?;
+        Ok(Recorded {
+            fenced_at: f.next("fenced_at_ms")?,
+            now: f.next("now")?,
+        })
+    }
 }
 
 /// True if `server` is fenced now.

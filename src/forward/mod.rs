@@ -10,7 +10,9 @@ use std::sync::LazyLock;
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
 
-use crate::{config::Layout, conn::RedisConn, error::Result, event::ServerId, keys::Keys};
+use crate::{
+    config::Layout, conn::RedisConn, error::Result, event::ServerId, keys::Keys, reply::Fields,
+};
 
 /// The shared Lua prelude (see owners.lua), with the evictions stream's writer
 /// (evictions/announce.lua), so that the scripts that delete also announce.
@@ -41,6 +43,76 @@ pub struct Checked {
     pub deleted_users: Vec<Vec<u8>>,
     /// The users who had no entry at all.
     pub absent_users: Vec<Vec<u8>>,
+    /// Users that a master's script on a cluster did not check (their slot moved or is
+    /// moving, or the script failed) and that went through the per-slot scripts.
+    pub rechecked: u64,
+}
+
+impl Checked {
+    /// Adds what one script did with `users` (its reply names positions from 1).
+    fn add(&mut self, reply: SlotReply, users: &[&Vec<u8>]) {
+        self.deleted += reply.deleted;
+        self.kept += reply.kept;
+        let at = |i: usize| users.get(i.wrapping_sub(1)).map(|u| (*u).clone());
+        self.deleted_users
+            .extend(reply.deleted_at.into_iter().filter_map(at));
+        self.absent_users
+            .extend(reply.absent_at.into_iter().filter_map(at));
+    }
+
+    /// Adds another check-and-delete's totals and users.
+    fn merge(&mut self, more: Checked) {
+        self.deleted += more.deleted;
+        self.kept += more.kept;
+        self.deleted_users.extend(more.deleted_users);
+        self.absent_users.extend(more.absent_users);
+        self.rechecked += more.rechecked;
+    }
+}
+
+/// What check_delete.lua replies: {deleted, kept, positions deleted, positions absent}
+/// (positions count from 1 in the users given).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct SlotReply {
+    deleted: u64,
+    kept: u64,
+    deleted_at: Vec<usize>,
+    absent_at: Vec<usize>,
+}
+
+impl redis::FromRedisValue for SlotReply {
+    fn from_redis_value(v: redis::Value) -> std::result::Result<Self, redis::ParsingError> {
+        let mut f = Fields::new("check_delete.lua", v, 4)?;
+        Ok(SlotReply {
+            deleted: f.next("deleted")?,
+            kept: f.next("kept")?,
+            deleted_at: f.next("deleted positions")?,
+            absent_at: f.next("absent positions")?,
+        })
+    }
+}
+
+/// What check_delete_node.lua replies: check_delete.lua's fields, and the positions of
+/// the users whose slot that node does not serve.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct NodeReply {
+    slot: SlotReply,
+    elsewhere_at: Vec<usize>,
+}
+
+impl redis::FromRedisValue for NodeReply {
+    fn from_redis_value(v: redis::Value) -> std::result::Result<Self, redis::ParsingError> {
+        let mut f = Fields::new("check_delete_node.lua", v, 5)?;
+        Ok(NodeReply {
+            slot: SlotReply {
+                deleted: f.next("deleted")?,
+                kept: f.next("kept")?,
+                deleted_at: f.next("deleted positions")?,
+                absent_at: f.next("absent positions")?,
+            },
+            elsewhere_at: f.next("positions served elsewhere")?,
+        })
+    }
 }
 
 /// Check-and-delete of `users`' forward entries that still name `server`. Kept are
@@ -65,17 +137,6 @@ pub async fn check_delete(
     check_delete_by_slot(conn, keys, layout, server, users.iter().collect()).await
 }
 
-/// Users that a master's script did not check (their slot moved or is moving, or the
-/// script failed) and that went through the per-slot scripts, in this process.
-static FALLBACK_USERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// How many users, in this process so far, a master's check-and-delete script on a
-/// cluster left to the per-slot scripts (a slot moving, a node not answering). For tests
-/// and diagnostics.
-pub fn fallback_users() -> u64 {
-    FALLBACK_USERS.load(std::sync::atomic::Ordering::Relaxed)
-}
-
 /// The script of one master: `check_delete.lua` for many slots (see the script).
 static CHECK_DELETE_NODE: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(CHECK_DELETE_NODE_CODE));
@@ -94,7 +155,6 @@ async fn check_delete_by_node(
     users: &[Vec<u8>],
 ) -> Result<Checked> {
     let mut checked = Checked::default();
-    let mut elsewhere: Vec<&Vec<u8>> = Vec::new();
     let owners = match conn.slot_owners().await {
         Ok(owners) => owners,
         Err(e) => {
@@ -106,22 +166,9 @@ async fn check_delete_by_node(
         return check_delete_by_slot(conn, keys, Layout::Keys, server, users.iter().collect())
             .await;
     };
-    // Per master: a slot it serves (where the script is sent) and its users.
-    type Group<'a> = Option<(u16, Vec<&'a Vec<u8>>)>;
-    let mut groups: Vec<Group> = Vec::new();
-    groups.resize_with(owners.masters(), || None);
-    for u in users {
-        let slot = crate::conn::key_slot(&keys.user(u));
-        match owners.master_of(slot) {
-            Some(m) => groups[m as usize]
-                .get_or_insert_with(|| (slot, Vec::new()))
-                .1
-                .push(u),
-            None => elsewhere.push(u),
-        }
-    }
+    let (groups, mut elsewhere) = by_master(&owners, keys, users);
     let mut in_flight = FuturesUnordered::new();
-    for (slot, users) in groups.into_iter().flatten() {
+    for (slot, users) in groups {
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg(CHECK_DELETE_NODE.get_hash())
             .arg(0)
@@ -132,7 +179,7 @@ async fn check_delete_by_node(
         in_flight.push(async move { (on_node(conn, slot, cmd).await, users) });
     }
     while let Some((reply, users)) = in_flight.next().await {
-        let (deleted, kept, deleted_at, absent_at, elsewhere_at) = match reply {
+        let NodeReply { slot, elsewhere_at } = match reply {
             Ok(reply) => reply,
             Err(e) => {
                 tracing::debug!(error = %e, users = users.len(), "a master's check-and-delete failed: checking its users slot by slot");
@@ -140,36 +187,52 @@ async fn check_delete_by_node(
                 continue;
             }
         };
-        checked.deleted += deleted;
-        checked.kept += kept;
-        let at = |i: usize| users.get(i.wrapping_sub(1)).copied();
-        checked
-            .deleted_users
-            .extend(deleted_at.into_iter().filter_map(at).cloned());
-        checked
-            .absent_users
-            .extend(absent_at.into_iter().filter_map(at).cloned());
-        elsewhere.extend(elsewhere_at.into_iter().filter_map(at));
+        checked.add(slot, &users);
+        elsewhere.extend(
+            elsewhere_at
+                .into_iter()
+                .filter_map(|i| users.get(i.wrapping_sub(1)).copied()),
+        );
     }
     if !elsewhere.is_empty() {
         tracing::debug!(
             users = elsewhere.len(),
             "users not served where the slot map said: checking them slot by slot"
         );
-        FALLBACK_USERS.fetch_add(elsewhere.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        checked.rechecked += elsewhere.len() as u64;
         conn.forget_slot_owners();
         let more = check_delete_by_slot(conn, keys, Layout::Keys, server, elsewhere).await?;
-        checked.deleted += more.deleted;
-        checked.kept += more.kept;
-        checked.deleted_users.extend(more.deleted_users);
-        checked.absent_users.extend(more.absent_users);
+        checked.merge(more);
     }
     Ok(checked)
 }
 
-/// What `check_delete_node.lua` returns: deleted, kept, and the positions deleted,
-/// absent, and not served by that node.
-type NodeReply = (u64, u64, Vec<usize>, Vec<usize>, Vec<usize>);
+/// The users of one master, with a slot it serves (where their script is sent).
+type Group<'u> = (u16, Vec<&'u Vec<u8>>);
+
+/// `users` grouped by the master that serves their slot (by `owners`), each group with a
+/// slot of that master (where its script is sent); and the users of slots no master
+/// serves in that map.
+fn by_master<'u>(
+    owners: &crate::conn::SlotOwners,
+    keys: &Keys,
+    users: &'u [Vec<u8>],
+) -> (Vec<Group<'u>>, Vec<&'u Vec<u8>>) {
+    let mut groups: Vec<Option<Group>> = Vec::new();
+    groups.resize_with(owners.masters(), || None);
+    let mut elsewhere = Vec::new();
+    for u in users {
+        let slot = crate::conn::key_slot(&keys.user(u));
+        match owners.master_of(slot) {
+            Some(m) => groups[m as usize]
+                .get_or_insert_with(|| (slot, Vec::new()))
+                .1
+                .push(u),
+            None => elsewhere.push(u),
+        }
+    }
+    (groups.into_iter().flatten().collect(), elsewhere)
+}
 
 /// `cmd` (an EVALSHA of `check_delete_node.lua`) on the master of `slot`, loading the
 /// script there first if that node does not have it.
@@ -185,8 +248,7 @@ async fn on_node(conn: &RedisConn, slot: u16, cmd: redis::Cmd) -> Result<NodeRep
         }
         other => other?,
     };
-    redis::from_redis_value(reply)
-        .map_err(|e| crate::error::Error::Protocol(format!("check_delete_node.lua replied: {e}")))
+    redis::from_redis_value(reply).map_err(|e| crate::error::Error::Protocol(e.to_string()))
 }
 
 /// Check-and-delete of `users`' forward entries that still name `server`: one script per
@@ -244,8 +306,7 @@ async fn check_delete_by_slot(
             };
             let mut c = conn.clone();
             in_flight.push(async move {
-                type Reply = (u64, u64, Vec<usize>, Vec<usize>);
-                call.invoke_async::<Reply>(&mut c)
+                call.invoke_async::<SlotReply>(&mut c)
                     .await
                     .map(|reply| (reply, users))
             });
@@ -253,16 +314,8 @@ async fn check_delete_by_slot(
         let Some(reply) = in_flight.next().await else {
             break;
         };
-        let ((deleted, kept, deleted_at, absent_at), users) = reply?;
-        checked.deleted += deleted;
-        checked.kept += kept;
-        let at = |i: usize| users.get(i.wrapping_sub(1)).map(|u| (*u).clone());
-        checked
-            .deleted_users
-            .extend(deleted_at.into_iter().filter_map(at));
-        checked
-            .absent_users
-            .extend(absent_at.into_iter().filter_map(at));
+        let (reply, users) = reply?;
+        checked.add(reply, users);
     }
     Ok(checked)
 }

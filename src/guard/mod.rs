@@ -4,7 +4,7 @@
 //! start again, and all its users reconnect. That is right for one dead server and
 //! ruinous for a fleet. Two parts:
 //!
-//! - [`reachable`] (the reconciler): Redis's own absence (unreachable, restarting,
+//! - `reachable` (the reconciler): Redis's own absence (unreachable, restarting,
 //!   loading, failing over, not answering, its clock stepped) is never a server's
 //!   silence; verdicts on silent servers wait until Redis has been reachable for a full
 //!   `heartbeat_grace_ms`.
@@ -29,6 +29,6 @@
 //! owner whose liveness has expired.
 
 pub mod hold;
-pub mod reachable;
+pub(crate) mod reachable;
 
 pub use hold::{Decision, Doubt, Guard, Hold, HoldState, HELD_CONSUMER};

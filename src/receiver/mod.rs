@@ -4,7 +4,7 @@
 //!
 //! It owns the listener, authentication (bearer token, compared in constant time), the
 //! body limit, TLS, the answer codes and the receiver's metrics. What an alert becomes is
-//! [`webhook`]; publishing it exactly once is [`publish`].
+//! `webhook`; publishing it exactly once is `publish`.
 //!
 //! The answer tells Alertmanager what to do next: 200 when every alert is handled; 422
 //! (not retried by Alertmanager) when some alert was refused, the rest of the batch being
@@ -12,12 +12,12 @@
 //! (retried) when Redis did not take every valid firing alert within [`REDIS_DEADLINE`].
 //! A 2xx is sent only after every valid firing alert's event is in the stream.
 
-pub mod publish;
-pub mod webhook;
+mod credentials;
+pub(crate) mod publish;
+pub(crate) mod webhook;
 
 use std::{
     convert::Infallible,
-    path::Path,
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -40,7 +40,7 @@ use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::{debug, info, warn};
 
 use crate::{
-    config::{ReceiverAuth, Settings},
+    config::Settings,
     conn::RedisConn,
     error::{Error, Result},
     health::{Failing, Health, Readiness},
@@ -48,6 +48,8 @@ use crate::{
     metrics::{alert_outcome, Metrics},
     retry::Watch,
 };
+use credentials::constant_time_eq;
+pub use credentials::{read_token, tls_acceptor};
 use publish::Published;
 use webhook::{Answer, Decision, Refusal};
 
@@ -305,22 +307,15 @@ impl Receiver {
     async fn handle(&self, hook: &webhook::Webhook) -> Response<Full<Bytes>> {
         let deadline = tokio::time::Instant::now() + REDIS_DEADLINE;
         let mut answer = Answer::default();
-        let count = |outcome: &str| {
-            self.inner
-                .metrics
-                .receiver_alerts
-                .with_label_values(&[outcome])
-                .inc()
-        };
         for (index, alert) in hook.alerts.iter().enumerate() {
             match webhook::decide(alert, &self.inner.label) {
                 Decision::Resolved => {
                     answer.resolved += 1;
-                    count(alert_outcome::RESOLVED);
+                    self.count(alert_outcome::RESOLVED);
                 }
                 Decision::Refused(reason) => {
                     warn!(index, fingerprint = %alert.fingerprint, %reason, "alert refused");
-                    count(alert_outcome::REFUSED);
+                    self.count(alert_outcome::REFUSED);
                     answer.refused.push(Refusal {
                         index,
                         fingerprint: alert.fingerprint.clone(),
@@ -333,49 +328,13 @@ impl Receiver {
                     event,
                     server,
                 } => {
-                    let payload = event.encode();
-                    let publish = || {
-                        publish::publish_once(
-                            &self.inner.conn,
-                            &self.inner.keys,
-                            &alert_id,
-                            &payload,
-                            self.inner.ttl_ms,
-                        )
-                    };
-                    let started = Instant::now();
-                    let done = tokio::time::timeout_at(
-                        deadline,
-                        self.inner.watch.retrying(
-                            "publishing alerts",
-                            &self.inner.no_cancel,
-                            publish,
-                        ),
-                    )
-                    .await;
-                    match done {
-                        Ok(Ok(Published::New(entry))) => {
-                            answer.published += 1;
-                            count(alert_outcome::PUBLISHED);
-                            info!(server_id = %server, %entry, event_id = %event.event_id, "alert firing; published server.dead");
-                        }
-                        Ok(Ok(Published::Before(entry))) => {
-                            answer.duplicate += 1;
-                            count(alert_outcome::DUPLICATE);
-                            debug!(server_id = %server, %entry, "alert already published");
-                        }
-                        Ok(Err(e)) => return redis_failed(&e),
-                        Err(_) => {
-                            return error(
-                                StatusCode::SERVICE_UNAVAILABLE,
-                                format!(
-                                    "redis did not take the event of alert {} within {:?} \
-                                     (see /readyz); nothing is lost: send again",
-                                    alert.fingerprint,
-                                    started.elapsed()
-                                ),
-                            )
-                        }
+                    let published = self
+                        .publish(alert, &alert_id, &event, &server, deadline)
+                        .await;
+                    match published {
+                        Ok(Published::New(_)) => answer.published += 1,
+                        Ok(Published::Before(_)) => answer.duplicate += 1,
+                        Err(response) => return response,
                     }
                 }
             }
@@ -387,8 +346,74 @@ impl Receiver {
         };
         json(
             status,
-            serde_json::to_vec(&answer).expect("the answer serializes"),
+            serde_json::to_vec(&answer)
+                .expect("an answer of strings and numbers always serializes to JSON"),
         )
+    }
+
+    /// Counts one alert with `outcome`.
+    fn count(&self, outcome: &str) {
+        self.inner
+            .metrics
+            .receiver_alerts
+            .with_label_values(&[outcome])
+            .inc()
+    }
+
+    /// Publishes a firing alert's `event` once per `alert_id`, waiting out transient
+    /// states until `deadline`. Err: the response to send at once (Redis refused, or did
+    /// not take the event in time; nothing is lost, Alertmanager sends again).
+    async fn publish(
+        &self,
+        alert: &webhook::Alert,
+        alert_id: &str,
+        event: &crate::event::ServerDead,
+        server: &crate::event::ServerId,
+        deadline: tokio::time::Instant,
+    ) -> std::result::Result<Published, Response<Full<Bytes>>> {
+        let payload = event.encode();
+        let publish = || {
+            publish::publish_once(
+                &self.inner.conn,
+                &self.inner.keys,
+                alert_id,
+                &payload,
+                self.inner.ttl_ms,
+            )
+        };
+        let started = Instant::now();
+        let done = tokio::time::timeout_at(
+            deadline,
+            self.inner
+                .watch
+                .retrying("publishing alerts", &self.inner.no_cancel, publish),
+        )
+        .await;
+        match done {
+            Ok(Ok(published)) => {
+                match &published {
+                    Published::New(entry) => {
+                        self.count(alert_outcome::PUBLISHED);
+                        info!(server_id = %server, %entry, event_id = %event.event_id, "alert firing; published server.dead");
+                    }
+                    Published::Before(entry) => {
+                        self.count(alert_outcome::DUPLICATE);
+                        debug!(server_id = %server, %entry, "alert already published");
+                    }
+                }
+                Ok(published)
+            }
+            Ok(Err(e)) => Err(redis_failed(&e)),
+            Err(_) => Err(error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "redis did not take the event of alert {} within {:?} \
+                     (see /readyz); nothing is lost: send again",
+                    alert.fingerprint,
+                    started.elapsed()
+                ),
+            )),
+        }
     }
 
     /// True when auth is off or the request carries the token, compared in constant time.
@@ -409,84 +434,6 @@ impl Receiver {
     }
 }
 
-/// Equality of two byte strings in time that depends on their lengths only.
-pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
-    std::hint::black_box(diff) == 0
-}
-
-/// The bearer token of the settings: None with `alert_receiver_auth = "off"`; otherwise
-/// the content of `alert_receiver_token_file`, without a trailing newline. An unset,
-/// unreadable or empty file is an [`Error::Setting`] naming the setting.
-pub fn read_token(settings: &Settings) -> Result<Option<Vec<u8>>> {
-    if settings.alert_receiver_auth == ReceiverAuth::Off {
-        return Ok(None);
-    }
-    let bad = |reason: String| Error::Setting {
-        name: "alert_receiver_token_file".into(),
-        reason,
-    };
-    let path =
-        settings
-            .alert_receiver_token_file
-            .as_deref()
-            .ok_or_else(|| {
-                bad("not set, and alert_receiver_auth is \"token\": name a file holding the bearer \
-             token, or set alert_receiver_auth = \"off\""
-            .into())
-            })?;
-    let text =
-        std::fs::read(path).map_err(|e| bad(format!("cannot read {}: {e}", path.display())))?;
-    let token = text.trim_ascii_end();
-    if token.is_empty() {
-        return Err(bad(format!("{} is empty", path.display())));
-    }
-    if token.iter().any(|b| !b.is_ascii_graphic()) {
-        return Err(bad(format!(
-            "{} holds whitespace or non-ASCII bytes; a bearer token is printable ASCII",
-            path.display()
-        )));
-    }
-    Ok(Some(token.to_vec()))
-}
-
-/// The TLS acceptor of `alert_receiver_tls_cert_file` and `alert_receiver_tls_key_file`,
-/// or None when they are not set. Uses rustls with the ring provider.
-pub fn tls_acceptor(settings: &Settings) -> Result<Option<TlsAcceptor>> {
-    use rustls::pki_types::{pem::PemObject, CertificateDer, PrivateKeyDer};
-    let (Some(cert), Some(key)) = (
-        &settings.alert_receiver_tls_cert_file,
-        &settings.alert_receiver_tls_key_file,
-    ) else {
-        return Ok(None);
-    };
-    let bad = |name: &'static str, path: &Path, why: String| Error::Setting {
-        name: name.into(),
-        reason: format!("{}: {why}", path.display()),
-    };
-    let certs = CertificateDer::pem_file_iter(cert)
-        .and_then(|certs| certs.collect::<std::result::Result<Vec<_>, _>>())
-        .map_err(|e| bad("alert_receiver_tls_cert_file", cert, e.to_string()))?;
-    if certs.is_empty() {
-        return Err(bad(
-            "alert_receiver_tls_cert_file",
-            cert,
-            "no certificate in the file".into(),
-        ));
-    }
-    let key_der = PrivateKeyDer::from_pem_file(key)
-        .map_err(|e| bad("alert_receiver_tls_key_file", key, e.to_string()))?;
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let config = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .and_then(|b| b.with_no_client_auth().with_single_cert(certs, key_der))
-        .map_err(|e| bad("alert_receiver_tls_key_file", key, e.to_string()))?;
-    Ok(Some(TlsAcceptor::from(Arc::new(config))))
-}
-
 /// 503 for a transient failure (Alertmanager sends again), 500 for one that needs an
 /// operator (a permission, a key of the wrong type); nothing was acknowledged either way.
 fn redis_failed(e: &Error) -> Response<Full<Bytes>> {
@@ -502,7 +449,8 @@ fn redis_failed(e: &Error) -> Response<Full<Bytes>> {
 fn error(status: StatusCode, message: String) -> Response<Full<Bytes>> {
     json(
         status,
-        serde_json::to_vec(&serde_json::json!({ "error": message })).expect("serializes"),
+        serde_json::to_vec(&serde_json::json!({ "error": message }))
+            .expect("an object of one string always serializes to JSON"),
     )
 }
 
@@ -541,7 +489,7 @@ mod tests {
         std::fs::write(&file, "abc\n").unwrap();
         assert_eq!(read_token(&s).unwrap(), Some(b"abc".to_vec()));
         std::fs::remove_file(&file).unwrap();
-        s.alert_receiver_auth = ReceiverAuth::Off;
+        s.alert_receiver_auth = crate::config::ReceiverAuth::Off;
         s.alert_receiver_token_file = None;
         assert_eq!(read_token(&s).unwrap(), None);
     }

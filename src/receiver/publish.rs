@@ -44,20 +44,24 @@ pub async fn publish_once(
         .key(keys.events())
         .arg(payload)
         .arg(ttl_ms);
-    let reply: (i64, Value) = call.invoke_async(&mut conn.clone()).await?;
-    let id = match reply.1 {
-        Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
-        Value::SimpleString(s) => s,
-        other => {
-            return Err(Error::Protocol(format!(
-                "publish_alert.lua returned {other:?} as an entry id"
-            )))
-        }
-    };
-    Ok(match reply.0 {
-        1 => Published::New(id),
-        _ => Published::Before(id),
-    })
+    Ok(call.invoke_async(&mut conn.clone()).await?)
+}
+
+/// publish_alert.lua's reply: {1, the new entry id} or {0, the first entry's id}.
+impl redis::FromRedisValue for Published {
+    fn from_redis_value(v: Value) -> std::result::Result<Self, redis::ParsingError> {
+        let mut f = crate::reply::Fields::new("publish_alert.lua", v, 2)?;
+        let new: bool = f.next("published now")?;
+        let id = f.value();
+        let Some(id) = crate::reply::text(&id) else {
+            return Err(crate::reply::malformed(f.script(), "an entry id", &id));
+        };
+        Ok(if new {
+            Published::New(id)
+        } else {
+            Published::Before(id)
+        })
+    }
 }
 
 /// On a cluster, refuses a `key_prefix` with which the alerts' records would not hash to

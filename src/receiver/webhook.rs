@@ -20,7 +20,10 @@ const MAX_FINGERPRINT: usize = 64;
 /// A whole webhook request body.
 #[derive(Debug, Clone, Deserialize)]
 pub struct Webhook {
+    /// Required by the payload's shape (a body without it is refused), not read.
+    #[allow(dead_code)]
     pub version: String,
+    #[allow(dead_code)]
     #[serde(default)]
     pub status: String,
     #[serde(default)]
@@ -41,6 +44,7 @@ pub struct Alert {
     pub annotations: BTreeMap<String, String>,
     #[serde(rename = "startsAt", default)]
     pub starts_at: String,
+    #[allow(dead_code)]
     #[serde(rename = "endsAt", default)]
     pub ends_at: String,
     #[serde(default)]

@@ -211,12 +211,7 @@ impl Reconciler {
             debug!(server_id = %server, limit = HINT_CHECKS, "too many expiry hints being checked; this one is left to the pass");
             return;
         };
-        if !self
-            .hinted
-            .lock()
-            .expect("not poisoned")
-            .insert(server.clone())
-        {
+        if !crate::lock::lock(&self.hinted).insert(server.clone()) {
             return;
         }
         let stop = stop.clone();
@@ -225,7 +220,7 @@ impl Reconciler {
                 _ = self.on_expiry(&server) => {}
                 _ = stop.cancelled() => {}
             }
-            self.hinted.lock().expect("not poisoned").remove(&server);
+            crate::lock::lock(&self.hinted).remove(&server);
             drop(permit);
         });
     }

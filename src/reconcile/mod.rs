@@ -16,7 +16,7 @@
 //!   (`sweep_reverse.lua`).
 //!
 //! All three hold their verdicts on silent servers until Redis has been reachable for a
-//! full `heartbeat_grace_ms` ([`crate::guard::reachable`]): an outage of Redis is no
+//! full `heartbeat_grace_ms` (`guard::reachable`): an outage of Redis is no
 //! server's silence. Fenced servers stay dead meanwhile.
 
 use std::{

@@ -3,7 +3,7 @@
 //! re-checks both at the instant it publishes; on a cluster, report_dead_cluster.lua
 //! in the slot of `{S}`). Fenced servers (see [`crate::fence`]) are dead for good: one
 //! with anything left to clean is reported again, whatever its liveness key and score
-//! say (a writer of the original protocol may still heartbeat), until it is clean; a
+//! say (a plain writer, without the protocol's fence check, may still heartbeat), until it is clean; a
 //! clean one is not reported again. A server that is not fenced is never declared dead
 //! while Redis has not been reachable for a full grace since its last outage
 //! ([`crate::guard::reachable`]): the verdict waits ([`Verdict::Waiting`]).
@@ -15,10 +15,11 @@ use tracing::{info, warn};
 use super::{PassReport, Reconciler, Verdict, PAGE};
 use crate::{
     conn::RedisConn,
-    error::{Error, Result},
+    error::Result,
     event::{ServerDead, ServerId},
     guard::reachable::Hold,
     keys::Keys,
+    reply::{int_state, malformed, Fields},
 };
 
 static REPORT_DEAD: LazyLock<redis::Script> =
@@ -61,23 +62,20 @@ impl Reconciler {
             .arg(event.encode())
             .arg(marker_ttl)
             .arg(if hold.is_ready() { "0" } else { "1" });
-        let (verdict, detail): (i64, String) = call.invoke_async(&mut self.conn.clone()).await?;
-        Ok(match verdict {
-            1 => {
+        let found: Found = call.invoke_async(&mut self.conn.clone()).await?;
+        Ok(match found {
+            Found::Published { entry } => {
                 self.metrics.reconcile_dead_found.inc();
-                info!(server_id = %server, entry = %detail, event_id = %event.event_id, "server is dead; published server.dead");
-                Verdict::Published(detail)
+                info!(server_id = %server, entry = %entry, event_id = %event.event_id, "server is dead; published server.dead");
+                Verdict::Published(entry)
             }
-            0 => Verdict::Alive,
-            2 => Verdict::TooRecent {
-                heartbeat_ms: detail.parse::<f64>().map_or(0, |f| f as u64),
-            },
-            3 => Verdict::AlreadyReported,
-            4 => Verdict::FencedClean,
-            5 => Verdict::Waiting {
+            Found::Alive => Verdict::Alive,
+            Found::TooRecent { heartbeat_ms } => Verdict::TooRecent { heartbeat_ms },
+            Found::AlreadyReported => Verdict::AlreadyReported,
+            Found::FencedClean => Verdict::FencedClean,
+            Found::Waiting => Verdict::Waiting {
                 remaining_ms: hold.remaining_ms(self.settings.heartbeat_grace_ms),
             },
-            other => return Err(Error::Protocol(format!("report_dead.lua returned {other}"))),
         })
     }
 
@@ -127,11 +125,11 @@ impl Reconciler {
             .key(self.keys.server_walking(server))
             .key(self.keys.server_moved(server))
             .arg(marker_ttl);
-        match call.invoke_async::<i64>(&mut c).await? {
-            0 => Ok(Verdict::Alive),
-            3 => Ok(Verdict::AlreadyReported),
-            4 => Ok(Verdict::FencedClean),
-            _ => {
+        match call.invoke_async::<FoundOnCluster>(&mut c).await? {
+            FoundOnCluster::Alive => Ok(Verdict::Alive),
+            FoundOnCluster::AlreadyReported => Ok(Verdict::AlreadyReported),
+            FoundOnCluster::FencedClean => Ok(Verdict::FencedClean),
+            FoundOnCluster::Dead => {
                 let id =
                     crate::stream::publish_event(&self.conn, &self.keys, &event.encode()).await?;
                 self.metrics.reconcile_dead_found.inc();
@@ -244,4 +242,122 @@ pub async fn count_dead(conn: &RedisConn, keys: &Keys, grace_ms: u64) -> Result<
         .collect();
     let alive = crate::registry::have_liveness_keys(conn, keys, &servers).await?;
     Ok(alive.iter().filter(|a| !**a).count() as u64)
+}
+
+/// report_dead.lua's reply, {verdict, detail}: what it found, and what it did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Found {
+    /// Dead: `server.dead` published as `entry` (verdict 1).
+    Published { entry: String },
+    /// The liveness key exists (0).
+    Alive,
+    /// The last heartbeat is within the grace period (2, detail its score).
+    TooRecent { heartbeat_ms: u64 },
+    /// Another reconciler reported it within the marker's lifetime (3).
+    AlreadyReported,
+    /// Fenced, with nothing left to clean (4).
+    FencedClean,
+    /// Not fenced, and Redis has not been reachable for a full grace (5).
+    Waiting,
+}
+
+impl redis::FromRedisValue for Found {
+    fn from_redis_value(v: redis::Value) -> std::result::Result<Self, redis::ParsingError> {
+        let mut f = Fields::new("report_dead.lua", v, 2)?;
+        let verdict: i64 = f.next("verdict")?;
+        let detail: String = f.next("detail")?;
+        Ok(match verdict {
+            1 => Found::Published { entry: detail },
+            0 => Found::Alive,
+            2 => Found::TooRecent {
+                heartbeat_ms: detail.parse::<f64>().map_or(0, |f| f as u64),
+            },
+            3 => Found::AlreadyReported,
+            4 => Found::FencedClean,
+            5 => Found::Waiting,
+            other => {
+                return Err(malformed(
+                    f.script(),
+                    "a verdict from 0 to 5",
+                    &redis::Value::Int(other),
+                ))
+            }
+        })
+    }
+}
+
+/// report_dead_cluster.lua's verdict (the event is published after it, by the caller).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FoundOnCluster {
+    /// Dead, and the marker is set: publish (1).
+    Dead,
+    /// The liveness key exists (0).
+    Alive,
+    /// The marker was there: reported within its lifetime (3).
+    AlreadyReported,
+    /// Fenced, with nothing left to clean (4).
+    FencedClean,
+}
+
+impl redis::FromRedisValue for FoundOnCluster {
+    fn from_redis_value(v: redis::Value) -> std::result::Result<Self, redis::ParsingError> {
+        int_state(
+            "report_dead_cluster.lua",
+            "a verdict 0, 1, 3 or 4",
+            v,
+            |n| match n {
+                1 => Some(FoundOnCluster::Dead),
+                0 => Some(FoundOnCluster::Alive),
+                3 => Some(FoundOnCluster::AlreadyReported),
+                4 => Some(FoundOnCluster::FencedClean),
+                _ => None,
+            },
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use redis::{FromRedisValue, Value};
+
+    fn reply(verdict: i64, detail: &str) -> Value {
+        Value::Array(vec![
+            Value::Int(verdict),
+            Value::BulkString(detail.as_bytes().to_vec()),
+        ])
+    }
+
+    #[test]
+    fn report_dead_verdicts_decode_into_named_states() {
+        let decode = |v, d| Found::from_redis_value(reply(v, d)).unwrap();
+        assert_eq!(
+            decode(1, "1-0"),
+            Found::Published {
+                entry: "1-0".into()
+            }
+        );
+        assert_eq!(decode(0, ""), Found::Alive);
+        assert_eq!(
+            decode(2, "1700000000000"),
+            Found::TooRecent {
+                heartbeat_ms: 1_700_000_000_000
+            }
+        );
+        assert_eq!(decode(3, ""), Found::AlreadyReported);
+        assert_eq!(decode(4, ""), Found::FencedClean);
+        assert_eq!(decode(5, ""), Found::Waiting);
+        let err = Found::from_redis_value(reply(9, ""))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("report_dead.lua"), "{err}");
+        let err = FoundOnCluster::from_redis_value(Value::Int(2))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("report_dead_cluster.lua"), "{err}");
+        assert_eq!(
+            FoundOnCluster::from_redis_value(Value::Int(1)).unwrap(),
+            FoundOnCluster::Dead
+        );
+    }
 }

@@ -1,13 +1,13 @@
 -- Publishes `server.dead` for a server if, at this instant, it is dead: fenced (a worker
 -- took a `server.dead` for it: dead for good, whatever its liveness key says, since a
--- writer of the original protocol may still heartbeat) with something left to clean; or
--- its liveness key is gone and its last heartbeat in `servers` is older than the grace
--- period (or it has none). A fenced server with nothing left to clean is not reported
--- again (if a zombie's heartbeat put it back in `servers`, it stays there until its fence
--- expires, then is reported once more and cleaned: the reconciler never writes
--- `servers`, and its ACL user may not). A marker with
--- a TTL makes several reconcilers publish once per window; once it expires, a server that
--- is still not clean is reported again.
+-- plain writer, without the protocol's fence check, may still heartbeat) with something
+-- left to clean; or its liveness key is gone and its last heartbeat in `servers` is
+-- older than the grace period (or it has none). A fenced server with nothing left to
+-- clean is not reported again (if a zombie's heartbeat put it back in `servers`, it
+-- stays there until its fence expires, then is reported once more and cleaned: the
+-- reconciler never writes `servers`, and its ACL user may not). A marker with a TTL
+-- makes several reconcilers publish once per window; once it expires, a server that is
+-- still not clean is reported again.
 --
 -- KEYS[1] server:{S}:alive  KEYS[2] servers  KEYS[3] server:{S}:reported
 -- KEYS[4] registry:events  KEYS[5] server:{S}:fenced

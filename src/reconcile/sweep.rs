@@ -14,6 +14,7 @@ use super::{pause_or_stop, Reconciler, SweepReport};
 use crate::{
     error::{Error, Result},
     event::ServerId,
+    reply::Fields,
 };
 
 static SWEEP_FORWARD: LazyLock<redis::Script> =
@@ -64,11 +65,10 @@ impl Reconciler {
             .arg(pattern)
             .arg(cursor.unwrap_or(""))
             .arg(if hold.is_ready() { "0" } else { "1" });
-        let (next, scanned, removed, announced): (String, u64, u64, u64) =
-            call.invoke_async(&mut self.conn.clone()).await?;
-        self.metrics.drift_entries_removed.inc_by(removed);
-        self.metrics.observe_evictions(announced, removed);
-        Ok((next, scanned, removed))
+        let step: ForwardStep = call.invoke_async(&mut self.conn.clone()).await?;
+        self.metrics.drift_entries_removed.inc_by(step.removed);
+        self.metrics.observe_evictions(step.announced, step.removed);
+        Ok((step.next, step.scanned, step.removed))
     }
 
     /// One step of the reverse sweep of `server`'s set from `cursor`.
@@ -91,7 +91,8 @@ impl Reconciler {
             .arg(self.settings.layout.as_str())
             .arg(self.keys.user_key_prefix())
             .arg(self.settings.heartbeat_grace_ms);
-        Ok(call.invoke_async(&mut self.conn.clone()).await?)
+        let step: ReverseStep = call.invoke_async(&mut self.conn.clone()).await?;
+        Ok((step.next, step.scanned, step.removed))
     }
 
     /// Sweeps one live server's reverse set completely, `pause` between steps. Each step
@@ -235,5 +236,46 @@ impl Reconciler {
                 _ = shutdown.cancelled() => return,
             }
         }
+    }
+}
+
+/// sweep_forward.lua's reply: {next cursor, entries scanned, entries removed, evictions
+/// entries written}.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ForwardStep {
+    next: String,
+    scanned: u64,
+    removed: u64,
+    announced: u64,
+}
+
+impl redis::FromRedisValue for ForwardStep {
+    fn from_redis_value(v: redis::Value) -> std::result::Result<Self, redis::ParsingError> {
+        let mut f = Fields::new("sweep_forward.lua", v, 4)?;
+        Ok(ForwardStep {
+            next: f.next("next cursor")?,
+            scanned: f.next("scanned")?,
+            removed: f.next("removed")?,
+            announced: f.next("announced")?,
+        })
+    }
+}
+
+/// sweep_reverse.lua's reply: {next cursor, members scanned, members set aside}.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ReverseStep {
+    next: String,
+    scanned: u64,
+    removed: u64,
+}
+
+impl redis::FromRedisValue for ReverseStep {
+    fn from_redis_value(v: redis::Value) -> std::result::Result<Self, redis::ParsingError> {
+        let mut f = Fields::new("sweep_reverse.lua", v, 3)?;
+        Ok(ReverseStep {
+            next: f.next("next cursor")?,
+            scanned: f.next("scanned")?,
+            removed: f.next("removed")?,
+        })
     }
 }

@@ -77,7 +77,7 @@ impl Reconciler {
             self.keys.server_users(server),
             self.keys.server_moved(server),
         );
-        let (next, members, due): (String, Vec<Vec<u8>>, Vec<Vec<u8>>) = REVERSE_PAGE
+        let ReversePage { next, members, due } = REVERSE_PAGE
             .key(&users)
             .key(&moved)
             .arg(cursor)
@@ -294,7 +294,7 @@ impl Reconciler {
                 // After the deletes, in another slot. Those of the page's entries that are
                 // gone are announced too, as on the cleanup's path: a retry of this step
                 // (a transient error after the deletes) finds its own deletes absent. A
-                // crash in between still loses the announcement (the README says so).
+                // crash in between still loses the announcement (a documented limit).
                 let mut gone = checked.deleted_users;
                 gone.extend(checked.absent_users);
                 self.announce_sweep(owner, &gone).await?;
@@ -317,5 +317,25 @@ impl Reconciler {
         .await?;
         self.metrics.observe_evictions(entries, users.len() as u64);
         Ok(())
+    }
+}
+
+/// reverse_page_cluster.lua's reply: {next cursor, members of the page, members set
+/// aside that are due for settling}.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ReversePage {
+    next: String,
+    members: Vec<Vec<u8>>,
+    due: Vec<Vec<u8>>,
+}
+
+impl redis::FromRedisValue for ReversePage {
+    fn from_redis_value(v: redis::Value) -> std::result::Result<Self, redis::ParsingError> {
+        let mut f = crate::reply::Fields::new("reverse_page_cluster.lua", v, 3)?;
+        Ok(ReversePage {
+            next: f.next("next cursor")?,
+            members: f.next("members")?,
+            due: f.next("due")?,
+        })
     }
 }

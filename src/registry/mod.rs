@@ -2,7 +2,7 @@
 //! (and for the demo, the benchmark and the tests, which play that part).
 //!
 //! The protocol is a set of Lua scripts in `protocol/` at the top of the repository, so
-//! that a connection server in any language follows the same rules (the README documents
+//! that a connection server in any language follows the same rules (the documentation gives
 //! each call, with its keys and arguments, and a Python example):
 //!
 //! | operation    | script          | what it does                                          |
@@ -36,11 +36,11 @@
 //! if the connection server dies in between, the entry names a fenced owner, which
 //! `route` never returns, and which the drift sweep removes (and announces).
 //!
-//! `register_legacy`, `add_register` and `register_many` write as a connection server of
-//! the original protocol does (MULTI HSET/SADD, no fence check): the janitor still cleans
+//! `register_legacy`, `add_register` and `register_many` write as a plain writer does
+//! (MULTI HSET/SADD, no fence check): the janitor still cleans
 //! such late writes before it acknowledges, but the writer is never told it is dead.
 
-use std::sync::LazyLock;
+use std::sync::{atomic::AtomicBool, Arc, LazyLock};
 
 use crate::conn::RedisConn;
 
@@ -57,11 +57,12 @@ static HEARTBEAT: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(include_str!("../../protocol/heartbeat.lua")));
 static UNREGISTER: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(include_str!("../../protocol/unregister.lua")));
+mod route;
+
+pub use route::have_liveness_keys;
+
 static RELEASE: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(include_str!("../../protocol/release.lua")));
-static ROUTE: LazyLock<redis::Script> =
-    LazyLock::new(|| redis::Script::new(include_str!("../../protocol/route.lua")));
-
 /// Turns the protocol's `FENCED` refusal into [`Error::Fenced`].
 fn unless_fenced<T>(reply: redis::RedisResult<T>, server: &ServerId) -> Result<T> {
     match reply {
@@ -77,11 +78,18 @@ fn unless_fenced<T>(reply: redis::RedisResult<T>, server: &ServerId) -> Result<T
 pub struct Registry {
     keys: Keys,
     layout: Layout,
+    /// Redis (or a proxy in front of it) refused EVALSHA_RO (unknown, or not allowed to
+    /// this user): route.lua runs as EVALSHA.
+    read_only_refused: Arc<AtomicBool>,
 }
 
 impl Registry {
     pub fn new(keys: Keys, layout: Layout) -> Self {
-        Registry { keys, layout }
+        Registry {
+            keys,
+            layout,
+            read_only_refused: Arc::default(),
+        }
     }
 
     pub fn keys(&self) -> &Keys {
@@ -131,7 +139,7 @@ impl Registry {
     }
 
     /// Adds the commands that register `user` on `server` to `pipe` (for bulk loads; the
-    /// original protocol, without a fence check).
+    /// plain writes, without a fence check).
     pub fn add_register(&self, pipe: &mut redis::Pipeline, user: &[u8], server: &ServerId) {
         pipe.add_command(self.forward_write(user, server))
             .ignore()
@@ -170,7 +178,7 @@ impl Registry {
         Err(refused)
     }
 
-    /// Registers `user` on `server` as a connection server of the original protocol does:
+    /// Registers `user` on `server` as a plain writer does (no protocol script):
     /// MULTI HSET/SADD (on a cluster, the forward entry and then the member), no fence
     /// check. The janitor cleans such writes before it acknowledges; the writer is never
     /// told that it is dead.
@@ -300,114 +308,4 @@ impl Registry {
         }
         Ok(())
     }
-
-    /// Where to route a message for `user` (route.lua): the owner, only if it is neither
-    /// fenced nor past its liveness (its liveness key expired); otherwise `None`. It only
-    /// reads: the janitor deletes (and announces) an entry whose owner is fenced. On a
-    /// cluster, in two single-slot steps: the owner, then its fence and liveness keys.
-    pub async fn route(&self, conn: &RedisConn, user: &[u8]) -> Result<Option<String>> {
-        if !conn.is_cluster() {
-            let mut call = ROUTE.prepare_invoke();
-            call.key(self.forward_key(user))
-                .arg(user)
-                .arg(self.layout.as_str())
-                .arg(self.keys.prefix());
-            return Ok(call.invoke_async(&mut conn.clone()).await?);
-        }
-        let Some(owner) = self.owner(conn, user).await? else {
-            return Ok(None);
-        };
-        let Ok(server) = ServerId::parse(&owner) else {
-            return Ok(None);
-        };
-        let (fenced, alive): (bool, bool) = redis::pipe()
-            .exists(self.keys.server_fence(&server))
-            .exists(self.keys.server_alive(&server))
-            .query_async(&mut conn.clone())
-            .await?;
-        Ok((alive && !fenced).then_some(owner))
-    }
-
-    /// The server a user's forward entry names, if any.
-    pub async fn owner(&self, conn: &RedisConn, user: &[u8]) -> Result<Option<String>> {
-        let owner: Option<String> = match self.layout {
-            Layout::Hash => {
-                redis::cmd("HGET")
-                    .arg(self.keys.registry())
-                    .arg(user)
-                    .query_async(&mut conn.clone())
-                    .await?
-            }
-            Layout::Keys => {
-                redis::cmd("GET")
-                    .arg(self.keys.user(user))
-                    .query_async(&mut conn.clone())
-                    .await?
-            }
-        };
-        Ok(owner)
-    }
-
-    /// Owners of many users at once (HMGET or MGET), in order.
-    pub async fn owners(&self, conn: &RedisConn, users: &[Vec<u8>]) -> Result<Vec<Option<String>>> {
-        self.owners_as(conn, users).await
-    }
-
-    /// [`Registry::owners`] as `T`: `Option<Vec<u8>>` where an owner written by something
-    /// else than a connection server may be any bytes.
-    pub async fn owners_as<T: redis::FromRedisValue + Send + 'static>(
-        &self,
-        conn: &RedisConn,
-        users: &[Vec<u8>],
-    ) -> Result<Vec<T>> {
-        if users.is_empty() {
-            return Ok(Vec::new());
-        }
-        let owners = match self.layout {
-            Layout::Hash => {
-                redis::cmd("HMGET")
-                    .arg(self.keys.registry())
-                    .arg(users)
-                    .query_async(&mut conn.clone())
-                    .await?
-            }
-            Layout::Keys if conn.is_cluster() => {
-                // No MGET across slots: one GET per user, many in flight, in order.
-                let gets = users
-                    .iter()
-                    .map(|u| redis::cmd("GET").arg(self.keys.user(u)).to_owned())
-                    .collect();
-                crate::conn::each_in_flight(conn, gets).await?
-            }
-            Layout::Keys => {
-                let keys: Vec<Vec<u8>> = users.iter().map(|u| self.keys.user(u)).collect();
-                redis::cmd("MGET")
-                    .arg(keys)
-                    .query_async(&mut conn.clone())
-                    .await?
-            }
-        };
-        Ok(owners)
-    }
-}
-
-/// Servers whose liveness keys are read per round trip by [`have_liveness_keys`].
-const LIVENESS_PAGE: usize = 1000;
-
-/// Whether each of `servers` has its liveness key now (it heartbeated within its TTL), in
-/// order: one pipeline per page on a node, many in flight on a cluster.
-pub async fn have_liveness_keys(
-    conn: &RedisConn,
-    keys: &Keys,
-    servers: &[ServerId],
-) -> Result<Vec<bool>> {
-    let mut alive = Vec::with_capacity(servers.len());
-    for page in servers.chunks(LIVENESS_PAGE) {
-        let exists = page
-            .iter()
-            .map(|s| redis::cmd("EXISTS").arg(keys.server_alive(s)).to_owned())
-            .collect();
-        alive.extend(crate::conn::each_in_flight::<bool>(conn, exists).await?);
-    }
-    Ok(alive)
 }

@@ -30,8 +30,8 @@ static TOUCH_ENTRY: std::sync::LazyLock<redis::Script> =
 pub async fn touch(conn: &RedisConn, keys: &Keys, consumer: &str, id: &str) -> Result<bool> {
     let mut call = TOUCH_ENTRY.prepare_invoke();
     call.key(keys.events()).arg(GROUP).arg(consumer).arg(id);
-    let touched: i64 = call.invoke_async(&mut conn.clone()).await?;
-    Ok(touched == 1)
+    let touched: bool = call.invoke_async(&mut conn.clone()).await?;
+    Ok(touched)
 }
 
 static HAND_OFF: std::sync::LazyLock<redis::Script> =
@@ -53,8 +53,26 @@ pub async fn hand_off(
         .arg(consumer)
         .arg(id)
         .arg(idle_ms);
-    let left: i64 = call.invoke_async(&mut conn.clone()).await?;
-    Ok(u64::try_from(left).ok())
+    let handed: HandedOff = call.invoke_async(&mut conn.clone()).await?;
+    Ok(handed.0)
+}
+
+/// hand_off.lua's reply: the delivery count left, or -1 when the consumer no longer owns
+/// the entry (`None`).
+struct HandedOff(Option<u64>);
+
+impl redis::FromRedisValue for HandedOff {
+    fn from_redis_value(v: Value) -> std::result::Result<Self, redis::ParsingError> {
+        match v {
+            Value::Int(-1) => Ok(HandedOff(None)),
+            Value::Int(n) if n >= 0 => Ok(HandedOff(Some(n as u64))),
+            other => Err(crate::reply::malformed(
+                "hand_off.lua",
+                "a delivery count or -1",
+                &other,
+            )),
+        }
+    }
 }
 
 /// Registers `consumer` in the group if it is not there (a no-op otherwise).
@@ -209,7 +227,10 @@ pub fn parse_read_reply(reply: Value) -> Result<Vec<Entry>> {
         Value::Array(streams) => streams
             .into_iter()
             .map(|s| match s {
-                Value::Array(mut kv) if kv.len() == 2 => Ok(kv.pop().expect("two items")),
+                Value::Array(kv) => match <[Value; 2]>::try_from(kv) {
+                    Ok([_, entries]) => Ok(entries),
+                    Err(kv) => Err(protocol("stream", &Value::Array(kv))),
+                },
                 other => Err(protocol("stream", &other)),
             })
             .collect::<Result<Vec<_>>>()?,
@@ -236,17 +257,12 @@ pub fn parse_read_reply(reply: Value) -> Result<Vec<Entry>> {
 /// Parses one `[id, [field, value, ...]]`; `None` for an entry deleted while pending
 /// (its fields come back as nil).
 pub fn parse_entry(item: Value) -> Result<Option<Entry>> {
-    let Value::Array(mut pair) = item else {
+    let Value::Array(pair) = item else {
         return Err(protocol("stream entry", &item));
     };
-    if pair.len() != 2 {
-        return Err(Error::Protocol(format!(
-            "stream entry of {} items",
-            pair.len()
-        )));
-    }
-    let fields = pair.pop().expect("two items");
-    let id = bytes(pair.pop().expect("two items"))?;
+    let [id, fields] = <[Value; 2]>::try_from(pair)
+        .map_err(|pair| Error::Protocol(format!("stream entry of {} items", pair.len())))?;
+    let id = bytes(id)?;
     let id = String::from_utf8(id).map_err(|_| Error::Protocol("non-UTF-8 entry id".into()))?;
     let flat = match fields {
         Value::Nil => return Ok(None),
@@ -308,46 +324,58 @@ pub async fn autoclaim(
         .arg(min_idle_ms)
         .arg(cursor)
         .arg(count);
-    let reply: Value = call.invoke_async(&mut conn.clone()).await?;
-    let Value::Array(parts) = reply else {
-        return Err(protocol("autoclaim.lua reply", &reply));
-    };
-    let Ok([cursor, claimed, deleted, counts]) = <[Value; 4]>::try_from(parts) else {
-        return Err(Error::Protocol(
-            "autoclaim.lua reply of the wrong size".into(),
-        ));
-    };
-    let next_cursor = String::from_utf8_lossy(&bytes(cursor)?).into_owned();
-    let deleted = match deleted {
-        Value::Array(ids) => ids.len(),
-        _ => 0,
-    };
-    let (Value::Array(claimed), Value::Array(counts)) = (claimed, counts) else {
-        return Err(Error::Protocol(
-            "autoclaim.lua: entries or counts not arrays".into(),
-        ));
-    };
-    if claimed.len() != counts.len() {
-        return Err(Error::Protocol(format!(
-            "autoclaim.lua: {} entries but {} counts",
-            claimed.len(),
-            counts.len()
-        )));
-    }
-    let mut entries = Vec::with_capacity(claimed.len());
-    for (item, n) in claimed.into_iter().zip(counts) {
-        let Value::Int(n) = n else {
-            return Err(protocol("delivery count", &n));
-        };
-        // An entry deleted while pending may come back without fields (older Redis):
+    let reply: Autoclaimed = call.invoke_async(&mut conn.clone()).await?;
+    let mut entries = Vec::with_capacity(reply.claimed.len());
+    for (item, n) in reply.claimed.into_iter().zip(reply.counts) {
+        // An entry deleted while pending may come back without fields (Redis 6.2):
         // skipped. Redis 7 leaves such entries out and lists their ids under `deleted`.
         if let Some(entry) = parse_entry(item)? {
             entries.push((entry, n.max(1) as u64));
         }
     }
     Ok(Claimed {
-        next_cursor,
+        next_cursor: reply.next_cursor,
         entries,
-        deleted,
+        deleted: reply.deleted,
     })
+}
+
+/// autoclaim.lua's reply: {next cursor, entries claimed, ids deleted while pending, the
+/// delivery count of each entry claimed}.
+struct Autoclaimed {
+    next_cursor: String,
+    /// The entries as XAUTOCLAIM gave them (parsed by [`parse_entry`]).
+    claimed: Vec<Value>,
+    deleted: usize,
+    counts: Vec<i64>,
+}
+
+impl redis::FromRedisValue for Autoclaimed {
+    fn from_redis_value(v: Value) -> std::result::Result<Self, redis::ParsingError> {
+        let mut f = crate::reply::Fields::new("autoclaim.lua", v, 4)?;
+        let next_cursor = f.next("next cursor")?;
+        let claimed = match f.value() {
+            Value::Array(items) => items,
+            other => return Err(crate::reply::malformed(f.script(), "entries", &other)),
+        };
+        let deleted = match f.value() {
+            Value::Array(ids) => ids.len(),
+            _ => 0,
+        };
+        let counts: Vec<i64> = f.next("delivery counts")?;
+        if claimed.len() != counts.len() {
+            return Err(format!(
+                "autoclaim.lua: {} entries but {} counts",
+                claimed.len(),
+                counts.len()
+            )
+            .into());
+        }
+        Ok(Autoclaimed {
+            next_cursor,
+            claimed,
+            deleted,
+            counts,
+        })
+    }
 }

@@ -62,7 +62,9 @@ impl Worker {
         for (entry, deliveries) in claimed.entries {
             self.metrics.entries_claimed.inc();
             info!(id = %entry.id, deliveries, "taking over an idle entry");
-            let permit = held.pop().expect("no more entries than permits");
+            let permit = held
+                .pop()
+                .expect("entries are asked for with COUNT = the permits held, so each has one");
             tasks.spawn(
                 self.clone()
                     .handle(entry, Some(deliveries), permit, abandon.clone()),
@@ -230,6 +232,7 @@ impl Worker {
                 .clean_event(&self.conn, server, Some(origin), abandon, |step| {
                     metrics.entries_deleted.inc_by(step.deleted);
                     metrics.entries_kept.inc_by(step.kept);
+                    metrics.cluster_users_rechecked.inc_by(step.rechecked);
                     metrics.observe_evictions(step.announced, step.announced_users);
                 });
         let cleaned = tokio::select! {

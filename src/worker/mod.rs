@@ -201,16 +201,9 @@ impl Worker {
         shutdown: &CancellationToken,
         abandon: &CancellationToken,
     ) -> Result<()> {
-        let block = Duration::from_millis(self.settings.block_ms);
         let watch = self.watch();
-        let reader = match watch
-            .retrying("connecting the reader", shutdown, || {
-                conn::blocking_for(&self.target, block)
-            })
-            .await
-        {
-            Err(Error::Cancelled) => return Ok(()),
-            other => other?,
+        let Some(reader) = self.connect_reader(&watch, shutdown).await? else {
+            return Ok(());
         };
         let mut backoff = policy().build();
         let mut reading = watch.episode("reading events");
@@ -270,9 +263,30 @@ impl Worker {
                 }
             };
             for entry in entries {
-                let permit = held.pop().expect("no more entries than permits");
+                let permit = held
+                    .pop()
+                    .expect("entries are asked for with COUNT = the permits held, so each has one");
                 tasks.spawn(self.clone().handle(entry, None, permit, abandon.clone()));
             }
+        }
+    }
+
+    /// The reader's connection of its own (XREADGROUP BLOCK), retried through transient
+    /// states; None at shutdown.
+    async fn connect_reader(
+        &self,
+        watch: &Watch,
+        shutdown: &CancellationToken,
+    ) -> Result<Option<RedisConn>> {
+        let block = Duration::from_millis(self.settings.block_ms);
+        match watch
+            .retrying("connecting the reader", shutdown, || {
+                conn::blocking_for(&self.target, block)
+            })
+            .await
+        {
+            Err(Error::Cancelled) => Ok(None),
+            other => other.map(Some),
         }
     }
 
@@ -285,7 +299,7 @@ impl Worker {
     ) -> Option<Vec<OwnedSemaphorePermit>> {
         let first = loop {
             tokio::select! {
-                p = permits.clone().acquire_owned() => break p.expect("semaphore never closed"),
+                p = permits.clone().acquire_owned() => break p.expect("the permits semaphore is never closed"),
                 _ = tokio::time::sleep(Duration::from_secs(1)) => self.health.beat(),
                 _ = shutdown.cancelled() => return None,
             }

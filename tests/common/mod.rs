@@ -31,6 +31,8 @@ pub fn redis() -> RedisServer {
     redis_with(&[])
 }
 
+pub use registry_janitor_testkit::cannot_run;
+
 /// Worker logs go to the test's captured output, shown when a test fails.
 pub fn init_logs() {
     let _ = tracing_subscriber::fmt()
@@ -527,6 +529,20 @@ pub fn http_get(addr: &str, path: &str) -> (u16, String) {
         .map(|(_, b)| b.to_owned())
         .unwrap_or_default();
     (status, body)
+}
+
+/// Events a worker handled with `outcome`, as its /metrics text says
+/// (`registry_janitor_events_total{outcome=...}`; 0 before the first).
+pub fn events_with(metrics: &Metrics, outcome: &str) -> u64 {
+    counter_of(
+        metrics,
+        &format!("registry_janitor_events_total{{outcome=\"{outcome}\"}}"),
+    )
+}
+
+/// One counter of a process's metrics, as its /metrics text says (0 before the first).
+pub fn counter_of(metrics: &Metrics, series: &str) -> u64 {
+    sample(&metrics.render(), series).unwrap_or(0.0) as u64
 }
 
 /// The value of one sample in a Prometheus text exposition (`name{labels}` as written).

@@ -32,10 +32,7 @@ pub fn binary(env: &str, candidates: &[&str], needed_for: &str, install: &str) -
         "{} is needed {needed_for} ({install}; or set {env} to the binary)",
         chosen.join(" or ")
     );
-    if std::env::var_os("CI").is_some_and(|v| !v.is_empty()) {
-        panic!("CI is set: {why}");
-    }
-    eprintln!("SKIPPED: {why}");
+    super::cannot_run(&why);
     None
 }
 

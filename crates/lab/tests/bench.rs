@@ -119,7 +119,9 @@ fn bench_verifies_every_run_keys_layout() {
 #[test]
 fn bench_verifies_every_run_on_a_local_cluster() {
     if !registry_janitor_testkit::RedisCluster::supported() {
-        eprintln!("SKIPPED: this redis-server cannot run a cluster");
+        registry_janitor_testkit::cannot_run(
+            "this redis-server cannot run a cluster (or redis-cli is missing)",
+        );
         return;
     }
     let redis = redis(); // only for a settings template; the bench starts its own cluster

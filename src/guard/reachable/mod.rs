@@ -37,7 +37,7 @@
 //!   loaded from an AOF) and is younger than the grace counts from its start;
 //! - **clock jump**: between two observations of this process, Redis's TIME (or the
 //!   reconciler's own wall clock) advanced more than the monotonic clock could account
-//!   for, plus [`Tracker::tolerance_ms`]: a step forward makes every score look old
+//!   for, plus the tracker's `tolerance_ms`: a step forward makes every score look old
 //!   (and expires liveness keys early).
 //!
 //! `reachable_since` is also stored in `janitor:{guard}:reachable` (the greatest known
@@ -47,10 +47,7 @@
 
 use std::{
     collections::HashMap,
-    sync::{
-        atomic::{AtomicBool, Ordering},
-        LazyLock, Mutex,
-    },
+    sync::{atomic::AtomicBool, Mutex},
     time::{Duration, Instant},
 };
 
@@ -58,312 +55,18 @@ use tracing::{info, warn};
 
 use crate::{
     config::Settings,
-    conn::{self, RedisConn},
+    conn::RedisConn,
     error::{Error, Result},
     metrics::Metrics,
 };
 
-/// What a process's first observation may take on top of [`Reachable::step`]: it opens
-/// the connection (the connect timeout is 2 s).
-const CONNECTING_MS: u64 = 2000;
+mod observation;
 
-/// Labels of `registry_janitor_reconcile_outages_total`.
-pub const CAUSES: [&str; 3] = ["failed_calls", "restart", "clock_jump"];
+pub use observation::recorded_since;
+mod tracker;
 
-/// What an observation found that starts a new stretch of reachable time.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Cause {
-    /// A call failed, or Redis took too long to answer.
-    FailedCalls,
-    /// Redis restarted or failed over (another run_id), or started recently from disk.
-    Restart,
-    /// Redis's clock (or the reconciler's) stepped forward.
-    ClockJump,
-}
-
-impl Cause {
-    pub fn label(self) -> &'static str {
-        match self {
-            Cause::FailedCalls => CAUSES[0],
-            Cause::Restart => CAUSES[1],
-            Cause::ClockJump => CAUSES[2],
-        }
-    }
-}
-
-/// What `janitor:{guard}:reachable` holds.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Record {
-    /// The run_ids of Redis when a reconciler last looked (sorted, comma-separated; every
-    /// master of a cluster). `None` where INFO gives none.
-    pub run_ids: Option<String>,
-    /// Redis time (unix ms) at which the current stretch of reachable time began; 0 for
-    /// none known.
-    pub reachable_since_ms: u64,
-}
-
-/// One successful observation of Redis.
-#[derive(Debug, Clone, Default)]
-pub struct Seen {
-    /// Redis's TIME (unix ms); on a cluster, that of the first master.
-    pub redis_ms: u64,
-    /// This process's monotonic clock (ms) when the observation was sent...
-    pub sent_mono_ms: u64,
-    /// ...and when its last reply came back.
-    pub received_mono_ms: u64,
-    /// This process's wall clock (unix ms) when the reply came back.
-    pub local_ms: u64,
-    /// Sorted, comma-separated run_ids (every master of a cluster); `None` where INFO is
-    /// refused or names none.
-    pub run_ids: Option<String>,
-    /// The shortest uptime among the nodes (ms), if INFO gave one.
-    pub uptime_ms: Option<u64>,
-    /// Some node loaded data from disk when it started.
-    pub loaded_from_disk: bool,
-    /// `janitor:{guard}:reachable` as read; `None` when it does not exist.
-    pub record: Option<Record>,
-}
-
-/// What one observation changed.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Observed {
-    /// Failed calls (already reported by [`Tracker::failed`]) ended with this observation.
-    pub after_failures: bool,
-    /// The observation itself took longer than the step to answer.
-    pub slow: bool,
-    pub restart: bool,
-    pub clock_jump: bool,
-    /// No record, and Redis started recently with data from disk.
-    pub started_recently: bool,
-    /// The record's `reachable_since_ms` (another reconciler's) is later than this
-    /// process's.
-    pub adopted: bool,
-    /// What to store in `janitor:{guard}:reachable`, if it differs.
-    pub store: Option<Record>,
-}
-
-/// May verdicts on silent (not fenced) servers be taken now?
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Hold {
-    /// Redis has been reachable for a full grace.
-    Ready,
-    /// Reachable, but not for a full grace yet: this much longer.
-    Waiting { remaining_ms: u64 },
-    /// A call failed and no observation has succeeded since (or none ever did).
-    Unreachable,
-}
-
-impl Hold {
-    pub fn is_ready(self) -> bool {
-        self == Hold::Ready
-    }
-
-    /// How long verdicts still wait at least (the grace while unreachable).
-    pub fn remaining_ms(self, grace_ms: u64) -> u64 {
-        match self {
-            Hold::Ready => 0,
-            Hold::Waiting { remaining_ms } => remaining_ms,
-            Hold::Unreachable => grace_ms,
-        }
-    }
-}
-
-/// The reachable-time state machine, without I/O: every time is given to it, so that
-/// the tests can move clocks.
-#[derive(Debug)]
-pub struct Tracker {
-    grace_ms: u64,
-    /// A step of Redis's clock within this is ignored (see [`Tracker::new`]).
-    tolerance_ms: u64,
-    /// An observation slower than this counts as "not answering".
-    slow_ms: u64,
-    /// Failed calls so far.
-    failures: u64,
-    /// Failed calls accounted for by a successful observation; fewer than `failures`
-    /// means Redis is unreachable now.
-    seen_failures: u64,
-    /// The last successful observation.
-    last: Option<Seen>,
-    /// Redis time (unix ms) at which the current reachable stretch began.
-    reachable_since_ms: u64,
-    /// An outage was reported and its grace has not been seen to end yet (for the
-    /// "verdicts resume" log line).
-    holding: bool,
-}
-
-impl Tracker {
-    /// The clock-jump tolerance is a quarter of the grace, at most 1 s: a live server's
-    /// heartbeat is at most one heartbeat interval old, which must be well under the
-    /// grace anyway, so a smaller step cannot take a live server past the grace; NTP's
-    /// slewing moves a clock by at most 0.5 ms per second, far below it. The monotonic
-    /// bound already includes the round trips, so a slow reply is no jump.
-    pub fn new(grace_ms: u64, slow_ms: u64) -> Self {
-        Tracker {
-            grace_ms,
-            tolerance_ms: (grace_ms / 4).min(1000),
-            slow_ms,
-            failures: 0,
-            seen_failures: 0,
-            last: None,
-            reachable_since_ms: 0,
-            holding: false,
-        }
-    }
-
-    pub fn tolerance_ms(&self) -> u64 {
-        self.tolerance_ms
-    }
-
-    /// A call failed with an outage error; true if Redis was taken as reachable until now
-    /// (the start of an outage).
-    pub fn failed(&mut self) -> bool {
-        let first = self.failures == self.seen_failures;
-        self.failures += 1;
-        self.holding = true;
-        first
-    }
-
-    /// Failed calls so far: taken before an observation is sent, and given back to
-    /// [`Tracker::observed`].
-    pub fn failures(&self) -> u64 {
-        self.failures
-    }
-
-    /// An observation sent when [`Tracker::failures`] was `failures_before` succeeded.
-    pub fn observed(&mut self, seen: Seen, failures_before: u64) -> Observed {
-        let now = seen.redis_ms;
-        // A process's first observation also opens its connection.
-        let slow_ms = match self.last {
-            Some(_) => self.slow_ms,
-            None => self.slow_ms + CONNECTING_MS,
-        };
-        let mut out = Observed {
-            after_failures: failures_before != self.seen_failures,
-            slow: seen.received_mono_ms.saturating_sub(seen.sent_mono_ms) > slow_ms,
-            ..Observed::default()
-        };
-        self.seen_failures = self.seen_failures.max(failures_before);
-        if let Some(current) = &seen.run_ids {
-            let recorded = seen.record.as_ref().and_then(|r| r.run_ids.as_ref());
-            let previous = self.last.as_ref().and_then(|l| l.run_ids.as_ref());
-            out.restart = [recorded, previous]
-                .into_iter()
-                .flatten()
-                .any(|known| known != current);
-        }
-        if let Some(p) = &self.last {
-            let redis_delta = now.saturating_sub(p.redis_ms);
-            let redis_bound = seen.received_mono_ms.saturating_sub(p.sent_mono_ms);
-            let local_delta = seen.local_ms.saturating_sub(p.local_ms);
-            let local_bound = seen.received_mono_ms.saturating_sub(p.received_mono_ms);
-            out.clock_jump = redis_delta > redis_bound + self.tolerance_ms
-                || local_delta > local_bound + self.tolerance_ms;
-        }
-        let mut since = self.reachable_since_ms;
-        if seen.record.is_none() && seen.loaded_from_disk {
-            if let Some(up) = seen.uptime_ms.filter(|&up| up < self.grace_ms) {
-                out.started_recently = true;
-                since = since.max(now.saturating_sub(up));
-            }
-        }
-        if out.after_failures || out.slow || out.restart || out.clock_jump {
-            since = now;
-        }
-        // A record from the future (Redis's clock stepped back) is not honoured.
-        let recorded = seen
-            .record
-            .as_ref()
-            .map_or(0, |r| r.reachable_since_ms)
-            .min(now);
-        if recorded > since {
-            out.adopted = recorded > self.reachable_since_ms;
-            since = recorded;
-        }
-        // Redis's clock stepped back past the stretch's start: a full grace from now.
-        if since > now {
-            since = now;
-        }
-        self.reachable_since_ms = since;
-        let stored = seen.record.clone().unwrap_or_default();
-        let wanted = Record {
-            run_ids: seen.run_ids.clone().or(stored.run_ids.clone()),
-            reachable_since_ms: since,
-        };
-        if seen.record.is_none() || wanted != stored {
-            out.store = Some(wanted);
-        }
-        if out.slow || out.restart || out.clock_jump || out.started_recently || out.adopted {
-            self.holding = true;
-        }
-        self.last = Some(seen);
-        out
-    }
-
-    /// The store wrote `reachable_since_ms` (the greatest known): adopted.
-    pub fn stored(&mut self, reachable_since_ms: u64) {
-        let now = self.last.as_ref().map_or(u64::MAX, |l| l.redis_ms);
-        if reachable_since_ms > self.reachable_since_ms && reachable_since_ms <= now {
-            self.reachable_since_ms = reachable_since_ms;
-        }
-    }
-
-    /// Redis time now, as estimated from the last observation (a lower bound: the
-    /// monotonic time since its reply came back).
-    fn redis_now(&self, mono_now_ms: u64) -> Option<u64> {
-        let l = self.last.as_ref()?;
-        Some(l.redis_ms + mono_now_ms.saturating_sub(l.received_mono_ms))
-    }
-
-    /// May verdicts on silent servers be taken at monotonic time `mono_now_ms`?
-    pub fn hold(&self, mono_now_ms: u64) -> Hold {
-        if self.failures != self.seen_failures {
-            return Hold::Unreachable;
-        }
-        let Some(now) = self.redis_now(mono_now_ms) else {
-            return Hold::Unreachable;
-        };
-        let until = self.reachable_since_ms.saturating_add(self.grace_ms);
-        if now < until {
-            Hold::Waiting {
-                remaining_ms: until - now,
-            }
-        } else {
-            Hold::Ready
-        }
-    }
-
-    /// True once, when a reported outage's grace of reachable time has passed.
-    pub fn resumed(&mut self, mono_now_ms: u64) -> bool {
-        if self.holding && self.hold(mono_now_ms).is_ready() {
-            self.holding = false;
-            return true;
-        }
-        false
-    }
-
-    /// Milliseconds since the last observation (`None` before the first).
-    pub fn age_ms(&self, mono_now_ms: u64) -> Option<u64> {
-        Some(mono_now_ms.saturating_sub(self.last.as_ref()?.received_mono_ms))
-    }
-
-    /// How long Redis has been reachable without a break, as far as known: since the
-    /// last outage, or since Redis started. 0 while unreachable.
-    pub fn reachable_for_ms(&self, mono_now_ms: u64) -> u64 {
-        if self.failures != self.seen_failures {
-            return 0;
-        }
-        let (Some(now), Some(l)) = (self.redis_now(mono_now_ms), self.last.as_ref()) else {
-            return 0;
-        };
-        let started = l.uptime_ms.map_or(0, |up| l.redis_ms.saturating_sub(up));
-        now.saturating_sub(self.reachable_since_ms.max(started))
-    }
-
-    /// The current stretch's start (Redis time, unix ms; 0 for none known).
-    pub fn reachable_since_ms(&self) -> u64 {
-        self.reachable_since_ms
-    }
-}
+use tracker::CONNECTING_MS;
+pub use tracker::{Cause, Hold, Record, Seen, Tracker, CAUSES};
 
 /// True for an error that means Redis is away or not serving (see the module docs).
 pub fn is_outage(e: &Error) -> bool {
@@ -375,11 +78,6 @@ pub fn is_outage(e: &Error) -> bool {
     }
     !matches!(r.code(), Some("MOVED" | "ASK" | "NOSCRIPT" | "UNBLOCKED"))
 }
-
-/// Stores the record: `reachable_since_ms` is the greatest of the stored and the given
-/// (a stored value from the future, after Redis's clock stepped back, is replaced).
-static STORE: LazyLock<redis::Script> =
-    LazyLock::new(|| redis::Script::new(include_str!("guard_record.lua")));
 
 /// The reconciler's reachable-time guard: a [`Tracker`] fed by observations of Redis
 /// (TIME, INFO, `janitor:{guard}:reachable`) and by the reconciler's failed calls.
@@ -586,210 +284,11 @@ impl Reachable {
             }
         }
     }
-
-    /// One observation: TIME, INFO server and persistence, the record.
-    async fn read(&self, conn: &RedisConn) -> Result<Seen> {
-        let sent_mono_ms = self.mono_ms();
-        let (redis_ms, nodes) = if conn.is_cluster() {
-            let masters = conn::cluster_masters(conn).await?;
-            let mut nodes = Vec::with_capacity(masters.len());
-            for (host, port) in masters {
-                nodes.push(self.node(&host, port)?);
-            }
-            let first = nodes.first().ok_or_else(|| {
-                Error::Redis(redis::RedisError::from((
-                    redis::ErrorKind::ClusterConnectionNotFound,
-                    "the cluster names no master",
-                )))
-            })?;
-            (time_ms(first).await?, nodes)
-        } else {
-            (time_ms(conn).await?, vec![conn.clone()])
-        };
-        let record = self.read_record(conn).await?;
-        let mut run_ids = Vec::with_capacity(nodes.len());
-        let (mut uptime_ms, mut loaded_from_disk) = (None::<u64>, false);
-        let mut info_known = true;
-        for node in &nodes {
-            match self.info(node).await? {
-                Some(info) => {
-                    match info.run_id {
-                        Some(id) => run_ids.push(id),
-                        None => info_known = false,
-                    }
-                    if let Some(up) = info.uptime_ms {
-                        uptime_ms = Some(uptime_ms.map_or(up, |u| u.min(up)));
-                    }
-                    loaded_from_disk |= info.loaded_from_disk;
-                }
-                None => info_known = false,
-            }
-        }
-        run_ids.sort();
-        Ok(Seen {
-            redis_ms,
-            sent_mono_ms,
-            received_mono_ms: self.mono_ms(),
-            local_ms: crate::now_ms(),
-            run_ids: info_known.then(|| run_ids.join(",")),
-            uptime_ms,
-            loaded_from_disk,
-            record,
-        })
-    }
-
-    /// A connection to one master of the cluster, kept for the next observations.
-    fn node(&self, host: &str, port: u16) -> Result<RedisConn> {
-        let mut nodes = self.nodes.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(c) = nodes.get(&(host.to_owned(), port)) {
-            return Ok(c.clone());
-        }
-        let c = conn::shared(&conn::node_client(&self.settings, host, port)?)?;
-        nodes.insert((host.to_owned(), port), c.clone());
-        Ok(c)
-    }
-
-    /// INFO server and persistence of one node; `None` where INFO is refused (logged
-    /// once: restarts are then seen by failed calls only).
-    async fn info(&self, node: &RedisConn) -> Result<Option<NodeInfo>> {
-        let mut pipe = redis::pipe();
-        pipe.cmd("INFO")
-            .arg("server")
-            .cmd("INFO")
-            .arg("persistence");
-        match pipe
-            .query_async::<(String, String)>(&mut node.clone())
-            .await
-        {
-            Ok((server, persistence)) => Ok(Some(NodeInfo::parse(&server, &persistence))),
-            Err(e) if crate::error::redis_error_is_retryable(&e) => Err(e.into()),
-            Err(e) => {
-                if !self.info_refused.swap(true, Ordering::Relaxed) {
-                    warn!(error = %e, "INFO is refused: Redis restarts and failovers are seen only through failed calls");
-                }
-                Ok(None)
-            }
-        }
-    }
-
-    /// `janitor:{guard}:reachable`, or `None` if it does not exist (or may not be read: then this
-    /// process's own view stands in for it, logged once).
-    async fn read_record(&self, conn: &RedisConn) -> Result<Option<Record>> {
-        let mut pipe = redis::pipe();
-        pipe.cmd("EXISTS")
-            .arg(&self.key)
-            .cmd("HGET")
-            .arg(&self.key)
-            .arg("run_ids")
-            .cmd("HGET")
-            .arg(&self.key)
-            .arg("reachable_since_ms");
-        match pipe
-            .query_async::<(bool, Option<String>, Option<u64>)>(&mut conn.clone())
-            .await
-        {
-            Ok((false, _, _)) => Ok(None),
-            Ok((true, run_ids, since)) => Ok(Some(Record {
-                run_ids,
-                reachable_since_ms: since.unwrap_or(0),
-            })),
-            Err(e) if crate::error::redis_error_is_retryable(&e) => Err(e.into()),
-            Err(e) => {
-                self.refused(&e);
-                let t = self.tracker();
-                if t.last.is_none() {
-                    // Nothing known yet: as with no record, a recent load from disk
-                    // starts the grace (the first-run rule).
-                    return Ok(None);
-                }
-                Ok(Some(Record {
-                    run_ids: t.last.as_ref().and_then(|l| l.run_ids.clone()),
-                    reachable_since_ms: t.reachable_since_ms,
-                }))
-            }
-        }
-    }
-
-    fn refused(&self, e: &redis::RedisError) {
-        if !self.record_refused.swap(true, Ordering::Relaxed) {
-            warn!(key = %self.key, error = %e, "the reconciler may not use its guard record: an outage it sees holds its own verdicts only, and a restart is seen through failed calls");
-        }
-    }
-
-    async fn store(&self, conn: &RedisConn, record: &Record) -> Result<()> {
-        let stored = STORE
-            .key(&self.key)
-            .arg(record.run_ids.as_deref().unwrap_or(""))
-            .arg(record.reachable_since_ms)
-            .invoke_async::<u64>(&mut conn.clone())
-            .await;
-        match stored {
-            Ok(since) => {
-                self.tracker().stored(since);
-                Ok(())
-            }
-            Err(e) if crate::error::redis_error_is_retryable(&e) => {
-                let e = Error::from(e);
-                self.failed(&e);
-                Err(e)
-            }
-            Err(e) => {
-                self.refused(&e);
-                Ok(())
-            }
-        }
-    }
-}
-
-/// What `janitor:{guard}:reachable` says now, for `status`: the start of the current stretch of
-/// reachable time (Redis time, unix ms; 0 for no outage known), or `None` when no
-/// reconciler has written it (or it may not be read).
-pub async fn recorded_since(conn: &RedisConn, key: &str) -> Option<u64> {
-    let record: HashMap<String, String> = redis::cmd("HGETALL")
-        .arg(key)
-        .query_async(&mut conn.clone())
-        .await
-        .ok()?;
-    record.get("reachable_since_ms")?.parse().ok()
-}
-
-/// Redis's TIME in unix ms.
-async fn time_ms(conn: &RedisConn) -> Result<u64> {
-    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(&mut conn.clone()).await?;
-    Ok(secs * 1000 + micros / 1000)
-}
-
-/// What the guard reads of INFO.
-#[derive(Debug, Default, PartialEq, Eq)]
-pub struct NodeInfo {
-    pub run_id: Option<String>,
-    pub uptime_ms: Option<u64>,
-    /// Keys loaded from an RDB at start (`rdb_last_load_keys_loaded` > 0), or AOF on
-    /// (`aof_enabled:1`: Redis 7.0 counts no keys loaded from an AOF, so a Redis with
-    /// AOF on may have loaded data).
-    pub loaded_from_disk: bool,
-}
-
-impl NodeInfo {
-    pub fn parse(server: &str, persistence: &str) -> Self {
-        let field = |text: &str, name: &str| {
-            text.lines()
-                .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
-                .map(|v| v.trim().to_owned())
-        };
-        let number = |text: &str, name: &str| field(text, name).and_then(|v| v.parse::<u64>().ok());
-        NodeInfo {
-            run_id: field(server, "run_id").filter(|id| !id.is_empty()),
-            uptime_ms: number(server, "uptime_in_seconds").map(|s| s * 1000),
-            loaded_from_disk: number(persistence, "rdb_last_load_keys_loaded").unwrap_or(0) > 0
-                || number(persistence, "aof_enabled") == Some(1),
-        }
-    }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use super::{observation::NodeInfo, *};
 
     const GRACE: u64 = 2000;
 
@@ -906,7 +405,7 @@ mod tests {
     #[test]
     fn a_step_of_redis_clock_is_a_clock_jump() {
         let mut t = Tracker::new(GRACE, 500);
-        assert_eq!(t.tolerance_ms(), 500);
+        assert_eq!(t.tolerance_ms, 500);
         t.observed(seen(T0, 0, "a", record("a", 0)), 0);
         // 1 s of monotonic time; Redis's clock moved 1 s + the tolerance + the round trip:
         // within the bound (from the first send to the second reply).

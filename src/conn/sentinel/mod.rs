@@ -23,17 +23,17 @@ use std::{
 };
 
 use redis::{
-    aio::ConnectionManager,
-    sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType},
-    ConnectionAddr, RedisError, RedisFuture, RedisResult, TlsMode,
+    aio::ConnectionManager, sentinel::SentinelClient, ConnectionAddr, RedisError, RedisFuture,
+    RedisResult,
 };
 use tokio::time::Instant;
 use tracing::{info, warn};
 
-use crate::{
-    config::Settings,
-    error::{Error, Result},
-};
+use crate::error::{Error, Result};
+
+mod target;
+
+pub use target::SentinelTarget;
 
 /// Longest one lookup through the sentinels may take (each sentinel asked, the primary
 /// checked with ROLE) before it counts as failed.
@@ -42,136 +42,6 @@ const LOOKUP_TIMEOUT: Duration = Duration::from_secs(10);
 const LOOKUP_MIN_DELAY: Duration = Duration::from_millis(100);
 /// ...doubling to at most this.
 const LOOKUP_MAX_DELAY: Duration = Duration::from_secs(2);
-
-/// What a connection through the sentinels needs: the sentinels, the master's name, the
-/// sentinels' credentials, and the primary's credentials, database and TLS (those of
-/// `redis_url`). Cheap to clone.
-#[derive(Clone)]
-pub struct SentinelTarget(Arc<TargetInner>);
-
-struct TargetInner {
-    sentinels: Vec<ConnectionAddr>,
-    master: String,
-    sentinel_username: Option<String>,
-    sentinel_password: Option<String>,
-    /// `redis_url` with the password override: its host and port are replaced by the
-    /// primary's.
-    primary: redis::ConnectionInfo,
-    /// The settings' TLS files, for the primary (and for `rediss://` sentinels).
-    certs: Option<redis::TlsCertificates>,
-}
-
-impl SentinelTarget {
-    /// From validated settings; `primary` is `redis_url` with its password override.
-    pub(super) fn new(
-        settings: &Settings,
-        primary: redis::ConnectionInfo,
-        certs: Option<redis::TlsCertificates>,
-    ) -> Result<Self> {
-        let bad = |reason: String| Error::Setting {
-            name: "redis_sentinels".into(),
-            reason,
-        };
-        let mut sentinels = Vec::new();
-        let (mut url_user, mut url_password) = (None, None);
-        for url in &settings.redis_sentinels {
-            let info = redis::IntoConnectionInfo::into_connection_info(url.as_str())
-                .map_err(|e| bad(format!("{}: {e}", crate::config::redact_url(url))))?;
-            let redis = info.redis_settings();
-            url_user = url_user.or(redis.username().map(str::to_owned));
-            url_password = url_password.or(redis.password().map(str::to_owned));
-            sentinels.push(info.addr().clone());
-        }
-        let sentinel_username = settings.redis_sentinel_username.clone().or(url_user);
-        let sentinel_password = settings
-            .redis_sentinel_password
-            .as_ref()
-            .map(|p| p.expose().to_owned())
-            .or(url_password);
-        let target = SentinelTarget(Arc::new(TargetInner {
-            sentinels,
-            master: settings
-                .redis_sentinel_master
-                .clone()
-                .expect("validated: redis_sentinel_master goes with redis_sentinels"),
-            sentinel_username,
-            sentinel_password,
-            primary,
-            certs,
-        }));
-        // Refuses at start what redis-rs would refuse at each lookup (TLS files with a
-        // sentinel that is not rediss://, for one).
-        target
-            .sentinel_client()
-            .map_err(|e| bad(format!("the sentinels cannot be used: {e}")))?;
-        Ok(target)
-    }
-
-    /// The master's name.
-    pub fn master(&self) -> &str {
-        &self.0.master
-    }
-
-    /// A redis-rs client that asks the sentinels for the primary and checks it.
-    fn sentinel_client(&self) -> RedisResult<SentinelClient> {
-        let t = &self.0;
-        let mut b = SentinelClientBuilder::new(
-            t.sentinels.iter().cloned(),
-            &t.master,
-            SentinelServerType::Master,
-        )?;
-        if let Some(user) = &t.sentinel_username {
-            b = b.set_client_to_sentinel_username(user);
-        }
-        if let Some(password) = &t.sentinel_password {
-            b = b.set_client_to_sentinel_password(password);
-        }
-        let tls_sentinels = t
-            .sentinels
-            .iter()
-            .any(|a| matches!(a, ConnectionAddr::TcpTls { .. }));
-        if let (true, Some(certs)) = (tls_sentinels, &t.certs) {
-            b = b.set_client_to_sentinel_certificates(certs.clone());
-        }
-        let redis = t.primary.redis_settings();
-        b = b
-            .set_client_to_redis_db(redis.db())
-            .set_client_to_redis_protocol(redis.protocol());
-        if let Some(user) = redis.username() {
-            b = b.set_client_to_redis_username(user);
-        }
-        if let Some(password) = redis.password() {
-            b = b.set_client_to_redis_password(password);
-        }
-        if let ConnectionAddr::TcpTls { insecure, .. } = t.primary.addr() {
-            b = b.set_client_to_redis_tls_mode(if *insecure {
-                TlsMode::Insecure
-            } else {
-                TlsMode::Secure
-            });
-            if let Some(certs) = &t.certs {
-                b = b.set_client_to_redis_certificates(certs.clone());
-            }
-        }
-        b.build()
-    }
-
-    /// The client for the primary at `host:port`: `redis_url`'s credentials, database
-    /// and TLS, as on a single node (see [`super::client_for`]).
-    fn primary_client(&self, host: String, port: u16) -> Result<redis::Client> {
-        let t = &self.0;
-        let addr = match t.primary.addr() {
-            ConnectionAddr::TcpTls { insecure, .. } => ConnectionAddr::TcpTls {
-                host,
-                port,
-                insecure: *insecure,
-                tls_params: None,
-            },
-            _ => ConnectionAddr::Tcp(host, port),
-        };
-        super::client_with(t.primary.clone().set_addr(addr), t.certs.clone())
-    }
-}
 
 /// The primary as last resolved.
 #[derive(Clone)]
@@ -243,7 +113,7 @@ impl SentinelConn {
     ) -> Result<Self> {
         let conn = Self::new(target, response_timeout);
         let client = conn.0.target.primary_client(host.to_owned(), port)?;
-        *conn.0.current.lock().expect("not poisoned") = Some(Primary {
+        *crate::lock::lock(&conn.0.current) = Some(Primary {
             conn: ConnectionManager::new_lazy_with_config(
                 client.clone(),
                 super::config(response_timeout),
@@ -328,7 +198,7 @@ impl SentinelConn {
                 lookup.next_attempt = None;
                 lookup.delay = LOOKUP_MIN_DELAY;
                 lookup.last_error = None;
-                *self.0.current.lock().expect("not poisoned") = Some(primary.clone());
+                *crate::lock::lock(&self.0.current) = Some(primary.clone());
                 Ok(primary)
             }
             Err(e) => {
@@ -345,10 +215,10 @@ impl SentinelConn {
 
     /// One lookup: the primary's client, host and port.
     async fn look_up(&self, lookup: &mut Lookup) -> RedisResult<(redis::Client, String, u16)> {
-        if lookup.client.is_none() {
-            lookup.client = Some(self.0.target.sentinel_client()?);
-        }
-        let client = lookup.client.as_mut().expect("just set");
+        let client = match &mut lookup.client {
+            Some(client) => client,
+            none => none.insert(self.0.target.sentinel_client()?),
+        };
         let found = client.async_get_client().await?;
         let (host, port) = match found.get_connection_info().addr() {
             ConnectionAddr::Tcp(host, port) | ConnectionAddr::TcpTls { host, port, .. } => {
@@ -378,7 +248,7 @@ impl SentinelConn {
     }
 
     fn current(&self) -> Option<Primary> {
-        self.0.current.lock().expect("not poisoned").clone()
+        crate::lock::lock(&self.0.current).clone()
     }
 
     /// After `e` from the primary of `generation`: drops that primary if `e` says it is
@@ -390,7 +260,7 @@ impl SentinelConn {
     }
 
     fn drop_primary(&self, generation: u64, why: &str) {
-        let mut current = self.0.current.lock().expect("not poisoned");
+        let mut current = crate::lock::lock(&self.0.current);
         if let Some(p) = current.as_ref().filter(|p| p.generation == generation) {
             warn!(primary = %p.addr, reason = %why, "lost the primary; asking the sentinels again");
             *current = None;
@@ -476,6 +346,7 @@ pub fn points_elsewhere(e: &RedisError) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Settings;
 
     fn reply(line: &str) -> RedisError {
         redis::parse_redis_value(format!("-{line}\r\n").as_bytes())
@@ -526,11 +397,7 @@ mod tests {
     async fn a_connection_at_a_demoted_node_finds_the_new_primary() {
         use registry_janitor_testkit::{RedisSentinels, MASTER_NAME};
         if !RedisSentinels::supported() {
-            assert!(
-                std::env::var_os("CI").is_none(),
-                "CI: redis-server is needed for the Sentinel tests"
-            );
-            eprintln!("SKIPPED: redis-server is not installed");
+            registry_janitor_testkit::cannot_run("this redis-server cannot run Sentinel");
             return;
         }
         let group = tokio::task::spawn_blocking(|| RedisSentinels::start(1, 3, &[]))

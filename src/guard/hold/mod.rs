@@ -24,33 +24,33 @@ use std::{
 };
 
 use serde::{Deserialize, Serialize};
-use tracing::{debug, info, warn};
+use tracing::{debug, info};
 
 use crate::{
     config::Settings,
     conn::RedisConn,
     error::{Error, Result},
     event::{ServerDead, ServerId},
-    keys::{Keys, GROUP},
+    keys::Keys,
+    reply::Fields,
     stream,
 };
+
+mod census;
+mod ending;
+
+pub use census::Census;
+use census::CENSUS_TTL;
+
+use ending::{dead_letter_lost, entry_exists, forget, park, parse_hold, pending};
+pub use ending::{discard, list, release};
 
 /// The consumer that held verdicts' stream entries are parked with. No worker reads as
 /// it; consumer expiry never removes a consumer with pending entries.
 pub const HELD_CONSUMER: &str = "janitor-guard-held";
 
-/// How long a census of the fleet is reused, at most: a zone outage brings many verdicts
-/// at once, and one census a second answers them all. Never more than a quarter of the
-/// grace period (see [`Guard::new`]).
-const CENSUS_TTL: Duration = Duration::from_secs(1);
-
 static HOLD: LazyLock<redis::Script> =
-    LazyLock::new(|| redis::Script::new(include_str!("hold.lua")));
-static FORGET: LazyLock<redis::Script> =
-    LazyLock::new(|| redis::Script::new(include_str!("forget.lua")));
-static PARK: LazyLock<redis::Script> =
-    LazyLock::new(|| redis::Script::new(include_str!("park.lua")));
-
+    LazyLock::new(|| redis::Script::new(include_str!("../hold.lua")));
 /// Why a verdict is doubtful.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -122,14 +122,6 @@ pub enum Decision {
     Duplicate { held_entry: String },
 }
 
-/// The servers that heartbeated within the guard's window, and how many of them are
-/// silent (no liveness key) now.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
-pub struct Census {
-    pub recent: u64,
-    pub silent: u64,
-}
-
 /// What one round of [`Guard::upkeep`] did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Upkeep {
@@ -183,53 +175,6 @@ impl Guard {
         }
     }
 
-    /// Counts the servers that heartbeated within the window and, of those, the silent
-    /// ones (liveness key gone). Reused for `census_ttl`.
-    pub async fn census(&self, conn: &RedisConn) -> Result<Census> {
-        if let Some((at, census)) = *self.census.lock().expect("census lock") {
-            if at.elapsed() < self.census_ttl {
-                return Ok(census);
-            }
-        }
-        // A silence that has lasted longer than the window still counts until its
-        // verdicts may proceed anyway (the hold's grace).
-        let window = self.window_ms.max(self.hold_grace_ms);
-        let census = take_census(conn, &self.keys, window).await?;
-        *self.census.lock().expect("census lock") = Some((Instant::now(), census));
-        Ok(census)
-    }
-
-    /// Whether a verdict of a mass silence is held now. Reused for `census_ttl`. Where
-    /// the holds may not be read, the answer is yes (the careful one), said once.
-    pub async fn holds_mass_silence(&self, conn: &RedisConn) -> Result<bool> {
-        if let Some((at, held)) = *self.mass_held.lock().expect("hold lock") {
-            if at.elapsed() < self.census_ttl {
-                return Ok(held);
-            }
-        }
-        let held = match list(conn, &self.keys).await {
-            Ok(holds) => holds.iter().any(|h| h.doubt == Doubt::MassSilence),
-            Err(Error::Redis(e)) if !crate::error::redis_error_is_retryable(&e) => {
-                if !self
-                    .holds_refused
-                    .swap(true, std::sync::atomic::Ordering::Relaxed)
-                {
-                    warn!(error = %e, "the guard's holds may not be read: the drift sweep deletes nothing on silence");
-                }
-                true
-            }
-            Err(e) => return Err(e),
-        };
-        *self.mass_held.lock().expect("hold lock") = Some((Instant::now(), held));
-        Ok(held)
-    }
-
-    /// Whether `census` shows a mass silence.
-    pub fn is_mass_silence(&self, census: Census) -> bool {
-        census.silent >= self.silence_min
-            && census.silent as f64 > self.silence_fraction * census.recent as f64
-    }
-
     /// The guard's answer for the verdict of stream entry `entry` against `server`.
     pub async fn decide(
         &self,
@@ -244,6 +189,54 @@ impl Guard {
                 let_through: false,
             });
         }
+        let (doubt, detail) = self.doubt(conn, server).await?;
+        let hold = Hold {
+            state: HoldState::Held,
+            server_id: server.as_str().to_owned(),
+            entry: entry.to_owned(),
+            event_id: event.event_id.clone(),
+            doubt: doubt.unwrap_or(Doubt::Disputed),
+            detail,
+            since_ms: crate::now_ms(),
+            source: event.source.clone(),
+            reason: event.reason.clone(),
+        };
+        let record = serde_json::to_string(&hold).map_err(|e| Error::Protocol(e.to_string()))?;
+        let answer: HoldAnswer = HOLD
+            .key(self.keys.guard_held())
+            .key(self.keys.guard_disputed())
+            .arg(server.as_str())
+            .arg(entry)
+            .arg(match doubt {
+                None => "none",
+                Some(Doubt::Disputed) => "disputed",
+                Some(Doubt::MassSilence) => "mass",
+            })
+            .arg(record)
+            .arg(crate::now_ms())
+            .arg(self.window_ms)
+            .arg(self.disputed_limit)
+            .invoke_async(&mut conn.clone())
+            .await?;
+        match answer {
+            HoldAnswer::Proceed => Ok(Decision::Proceed {
+                released: false,
+                let_through: doubt.is_some(),
+            }),
+            HoldAnswer::Hold { holds_before } => Ok(Decision::Hold {
+                hold,
+                first: holds_before == "0",
+            }),
+            HoldAnswer::Recorded { hold: standing } => {
+                Ok(standing_decision(parse_hold(&standing)?, entry))
+            }
+        }
+    }
+
+    /// What is doubtful about a verdict on `server`, with the detail a hold records:
+    /// nothing for a fenced server (its verdict was executed already), `Disputed` while
+    /// its liveness key stands, `MassSilence` when it is one of many silent at once.
+    async fn doubt(&self, conn: &RedisConn, server: &ServerId) -> Result<(Option<Doubt>, String)> {
         // Both keys are in the slot of {S}: one pipeline on a cluster too.
         let (alive, fenced): (bool, bool) = redis::pipe()
             .cmd("EXISTS")
@@ -276,67 +269,7 @@ impl Guard {
                 (None, String::new())
             }
         };
-        let hold = Hold {
-            state: HoldState::Held,
-            server_id: server.as_str().to_owned(),
-            entry: entry.to_owned(),
-            event_id: event.event_id.clone(),
-            doubt: doubt.unwrap_or(Doubt::Disputed),
-            detail,
-            since_ms: crate::now_ms(),
-            source: event.source.clone(),
-            reason: event.reason.clone(),
-        };
-        let record = serde_json::to_string(&hold).map_err(|e| Error::Protocol(e.to_string()))?;
-        let (answer, detail): (String, String) = HOLD
-            .key(self.keys.guard_held())
-            .key(self.keys.guard_disputed())
-            .arg(server.as_str())
-            .arg(entry)
-            .arg(match doubt {
-                None => "none",
-                Some(Doubt::Disputed) => "disputed",
-                Some(Doubt::MassSilence) => "mass",
-            })
-            .arg(record)
-            .arg(crate::now_ms())
-            .arg(self.window_ms)
-            .arg(self.disputed_limit)
-            .invoke_async(&mut conn.clone())
-            .await?;
-        match answer.as_str() {
-            "proceed" => Ok(Decision::Proceed {
-                released: false,
-                let_through: doubt.is_some(),
-            }),
-            "hold" => Ok(Decision::Hold {
-                hold,
-                first: detail == "0",
-            }),
-            "recorded" => {
-                let standing = parse_hold(&detail)?;
-                Ok(if standing.entry != entry {
-                    if standing.state == HoldState::Released {
-                        Decision::Proceed {
-                            released: false,
-                            let_through: false,
-                        }
-                    } else {
-                        Decision::Duplicate {
-                            held_entry: standing.entry,
-                        }
-                    }
-                } else if standing.state == HoldState::Released {
-                    Decision::Proceed {
-                        released: true,
-                        let_through: false,
-                    }
-                } else {
-                    Decision::Park
-                })
-            }
-            other => Err(Error::Protocol(format!("hold.lua answered {other}"))),
-        }
+        Ok((doubt, detail))
     }
 
     /// Parks a held verdict's entry with [`HELD_CONSUMER`]; false if it is no longer
@@ -441,169 +374,66 @@ impl Guard {
     }
 }
 
-/// The holds standing now, oldest first.
-pub async fn list(conn: &RedisConn, keys: &Keys) -> Result<Vec<Hold>> {
-    let raw: Vec<(String, String)> = redis::cmd("HGETALL")
-        .arg(keys.guard_held())
-        .query_async(&mut conn.clone())
-        .await?;
-    let mut holds = Vec::with_capacity(raw.len());
-    for (server, json) in raw {
-        match parse_hold(&json) {
-            Ok(hold) => holds.push(hold),
-            Err(e) => warn!(server_id = %server, error = %e, "guard: unreadable hold left alone"),
+/// hold.lua's reply, {answer, detail}.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum HoldAnswer {
+    /// The verdict goes ahead (`proceed`).
+    Proceed,
+    /// The verdict is held now; `holds_before` is how many were held before it (`hold`).
+    Hold { holds_before: String },
+    /// A hold stands for this server: its record, as JSON (`recorded`).
+    Recorded { hold: String },
+}
+
+impl redis::FromRedisValue for HoldAnswer {
+    fn from_redis_value(v: redis::Value) -> std::result::Result<Self, redis::ParsingError> {
+        let mut f = Fields::new("hold.lua", v, 2)?;
+        #[derive(Clone, Copy)]
+        enum Answer {
+            Proceed,
+            Hold,
+            Recorded,
         }
+        let answer = f.state("answer", |s| match s {
+            "proceed" => Some(Answer::Proceed),
+            "hold" => Some(Answer::Hold),
+            "recorded" => Some(Answer::Recorded),
+            _ => None,
+        })?;
+        let detail: String = f.next("detail")?;
+        Ok(match answer {
+            Answer::Proceed => HoldAnswer::Proceed,
+            Answer::Hold => HoldAnswer::Hold {
+                holds_before: detail,
+            },
+            Answer::Recorded => HoldAnswer::Recorded { hold: detail },
+        })
     }
-    holds.sort_by_key(|h| (h.since_ms, h.server_id.clone()));
-    Ok(holds)
 }
 
-/// Lets a held verdict go: the next worker to take its entry proceeds. False if the hold
-/// is no longer the one of this entry.
-pub async fn release(
-    conn: &RedisConn,
-    keys: &Keys,
-    hold: &Hold,
-    claim_min_idle_ms: u64,
-) -> Result<bool> {
-    let (done, _): (i64, i64) = FORGET
-        .key(keys.guard_held())
-        .arg(&hold.server_id)
-        .arg(&hold.entry)
-        .arg("released")
-        .arg("held")
-        .invoke_async(&mut conn.clone())
-        .await?;
-    if done == 1 {
-        park(conn, keys, &hold.entry, claim_min_idle_ms).await?;
-    }
-    Ok(done == 1)
-}
-
-/// Discards a held verdict on an operator's word: its entry goes to the dead-letter
-/// stream with `why` (replayable), and the hold is forgotten. False if the hold is no
-/// longer the one of this entry.
-pub async fn discard(conn: &RedisConn, keys: &Keys, hold: &Hold, why: &str) -> Result<bool> {
-    // Held -> discarding, atomically: a hold released meanwhile (a worker may be fencing
-    // its server now) is not discarded. A discard that stopped half-way is finished by
-    // the next one.
-    if hold.state != HoldState::Discarding {
-        let (done, _): (i64, i64) = FORGET
-            .key(keys.guard_held())
-            .arg(&hold.server_id)
-            .arg(&hold.entry)
-            .arg("discarding")
-            .arg("held")
-            .invoke_async(&mut conn.clone())
-            .await?;
-        if done == 0 {
-            return Ok(false);
+/// The decision for a verdict on a server that a hold already stands for (`standing`):
+/// the hold of another entry makes this one a duplicate unless it was released; the hold
+/// of this entry lets it go once released, and parks it while held.
+fn standing_decision(standing: Hold, entry: &str) -> Decision {
+    if standing.entry != entry {
+        if standing.state == HoldState::Released {
+            Decision::Proceed {
+                released: false,
+                let_through: false,
+            }
+        } else {
+            Decision::Duplicate {
+                held_entry: standing.entry,
+            }
         }
-    }
-    let entries: redis::Value = redis::cmd("XRANGE")
-        .arg(keys.events())
-        .arg(&hold.entry)
-        .arg(&hold.entry)
-        .query_async(&mut conn.clone())
-        .await?;
-    let found = match entries {
-        redis::Value::Array(mut items) if !items.is_empty() => {
-            stream::parse_entry(items.swap_remove(0))?
+    } else if standing.state == HoldState::Released {
+        Decision::Proceed {
+            released: true,
+            let_through: false,
         }
-        _ => None,
-    };
-    match found {
-        Some(entry) => stream::dead_letter(conn, keys, &entry, why).await?,
-        None => {
-            stream::ack(conn, keys, &hold.entry).await?;
-        }
+    } else {
+        Decision::Park
     }
-    forget(conn, keys, &hold.server_id, &hold.entry).await?;
-    Ok(true)
-}
-
-/// Forgets the hold of `entry` against `server`; the holds left, or None if the hold
-/// was not (or no longer) the one of this entry.
-async fn forget(conn: &RedisConn, keys: &Keys, server: &str, entry: &str) -> Result<Option<i64>> {
-    let (done, left): (i64, i64) = FORGET
-        .key(keys.guard_held())
-        .arg(server)
-        .arg(entry)
-        .arg("")
-        .arg("")
-        .invoke_async(&mut conn.clone())
-        .await?;
-    if done == 1 && left == 0 {
-        warn!("guard: the hold ended, no verdict is held");
-    }
-    Ok((done == 1).then_some(left))
-}
-
-async fn park(conn: &RedisConn, keys: &Keys, entry: &str, idle_ms: u64) -> Result<bool> {
-    let parked: i64 = PARK
-        .key(keys.events())
-        .arg(GROUP)
-        .arg(HELD_CONSUMER)
-        .arg(entry)
-        .arg(idle_ms)
-        .invoke_async(&mut conn.clone())
-        .await?;
-    Ok(parked == 1)
-}
-
-/// Whether the stream still holds `entry`.
-async fn entry_exists(conn: &RedisConn, keys: &Keys, entry: &str) -> Result<bool> {
-    let found: Vec<redis::Value> = redis::cmd("XRANGE")
-        .arg(keys.events())
-        .arg(entry)
-        .arg(entry)
-        .query_async(&mut conn.clone())
-        .await?;
-    Ok(!found.is_empty())
-}
-
-/// A held verdict whose stream entry was deleted: written to the dead-letter stream from
-/// what the hold recorded, so that it can be replayed.
-async fn dead_letter_lost(conn: &RedisConn, keys: &Keys, hold: &Hold) -> Result<()> {
-    let event = ServerDead {
-        v: crate::event::SCHEMA_VERSION as i64,
-        event_id: hold.event_id.clone(),
-        server_id: hold.server_id.clone(),
-        detected_at_ms: hold.since_ms,
-        reason: hold.reason.clone(),
-        source: hold.source.clone(),
-    };
-    let entry = crate::event::Entry {
-        id: hold.entry.clone(),
-        fields: vec![
-            (b"type".to_vec(), b"server.dead".to_vec()),
-            (b"payload".to_vec(), event.encode()),
-        ],
-    };
-    let why = format!(
-        "held by the guard ({}: {}), and its entry was deleted from the stream meanwhile",
-        hold.doubt.as_str(),
-        hold.detail
-    );
-    stream::dead_letter(conn, keys, &entry, &why).await?;
-    warn!(server_id = %hold.server_id, entry = %hold.entry, "guard: a held verdict's entry was deleted from the stream; dead-lettered from the hold");
-    Ok(())
-}
-
-/// The consumer holding `entry` and its idle time (ms), or None if it is not pending.
-async fn pending(conn: &RedisConn, keys: &Keys, entry: &str) -> Result<Option<(String, u64)>> {
-    let rows: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
-        .arg(keys.events())
-        .arg(GROUP)
-        .arg(entry)
-        .arg(entry)
-        .arg(1)
-        .query_async(&mut conn.clone())
-        .await?;
-    Ok(rows
-        .into_iter()
-        .next()
-        .map(|(_, owner, idle, _)| (owner, idle)))
 }
 
 /// Whether `server`'s liveness key exists, and its last heartbeat in `servers`.
@@ -619,29 +449,4 @@ async fn liveness(conn: &RedisConn, keys: &Keys, server: &ServerId) -> Result<(b
         .query_async(&mut c)
         .await?;
     Ok((alive, score))
-}
-
-fn parse_hold(json: &str) -> Result<Hold> {
-    serde_json::from_str(json)
-        .map_err(|e| Error::Protocol(format!("unreadable hold {json:?}: {e}")))
-}
-
-/// See [`Guard::census`].
-async fn take_census(conn: &RedisConn, keys: &Keys, window_ms: u64) -> Result<Census> {
-    let since = crate::now_ms().saturating_sub(window_ms);
-    let recent: Vec<String> = redis::cmd("ZRANGEBYSCORE")
-        .arg(keys.servers())
-        .arg(since)
-        .arg("+inf")
-        .query_async(&mut conn.clone())
-        .await?;
-    let servers: Vec<ServerId> = recent
-        .iter()
-        .filter_map(|s| ServerId::parse(s).ok())
-        .collect();
-    let alive = crate::registry::have_liveness_keys(conn, keys, &servers).await?;
-    Ok(Census {
-        recent: servers.len() as u64,
-        silent: alive.iter().filter(|a| !**a).count() as u64,
-    })
 }

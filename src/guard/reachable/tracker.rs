@@ -1,0 +1,301 @@
+//! The reachable-time tracker: what the observations of Redis (and the failed calls)
+//! say about since when Redis has been reachable, with no I/O of its own (see the
+//! parent module).
+
+/// What a process's first observation may take on top of [`super::Reachable::step`]: it opens
+/// the connection (the connect timeout is 2 s).
+pub(super) const CONNECTING_MS: u64 = 2000;
+
+/// Labels of `registry_janitor_reconcile_outages_total`.
+pub const CAUSES: [&str; 3] = ["failed_calls", "restart", "clock_jump"];
+
+/// What an observation found that starts a new stretch of reachable time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cause {
+    /// A call failed, or Redis took too long to answer.
+    FailedCalls,
+    /// Redis restarted or failed over (another run_id), or started recently from disk.
+    Restart,
+    /// Redis's clock (or the reconciler's) stepped forward.
+    ClockJump,
+}
+
+impl Cause {
+    pub fn label(self) -> &'static str {
+        match self {
+            Cause::FailedCalls => CAUSES[0],
+            Cause::Restart => CAUSES[1],
+            Cause::ClockJump => CAUSES[2],
+        }
+    }
+}
+
+/// What `janitor:{guard}:reachable` holds.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Record {
+    /// The run_ids of Redis when a reconciler last looked (sorted, comma-separated; every
+    /// master of a cluster). `None` where INFO gives none.
+    pub run_ids: Option<String>,
+    /// Redis time (unix ms) at which the current stretch of reachable time began; 0 for
+    /// none known.
+    pub reachable_since_ms: u64,
+}
+
+/// One successful observation of Redis.
+#[derive(Debug, Clone, Default)]
+pub struct Seen {
+    /// Redis's TIME (unix ms); on a cluster, that of the first master.
+    pub redis_ms: u64,
+    /// This process's monotonic clock (ms) when the observation was sent...
+    pub sent_mono_ms: u64,
+    /// ...and when its last reply came back.
+    pub received_mono_ms: u64,
+    /// This process's wall clock (unix ms) when the reply came back.
+    pub local_ms: u64,
+    /// Sorted, comma-separated run_ids (every master of a cluster); `None` where INFO is
+    /// refused or names none.
+    pub run_ids: Option<String>,
+    /// The shortest uptime among the nodes (ms), if INFO gave one.
+    pub uptime_ms: Option<u64>,
+    /// Some node loaded data from disk when it started.
+    pub loaded_from_disk: bool,
+    /// `janitor:{guard}:reachable` as read; `None` when it does not exist.
+    pub record: Option<Record>,
+}
+
+/// What one observation changed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Observed {
+    /// Failed calls (already reported by [`Tracker::failed`]) ended with this observation.
+    pub after_failures: bool,
+    /// The observation itself took longer than the step to answer.
+    pub slow: bool,
+    pub restart: bool,
+    pub clock_jump: bool,
+    /// No record, and Redis started recently with data from disk.
+    pub started_recently: bool,
+    /// The record's `reachable_since_ms` (another reconciler's) is later than this
+    /// process's.
+    pub adopted: bool,
+    /// What to store in `janitor:{guard}:reachable`, if it differs.
+    pub store: Option<Record>,
+}
+
+/// May verdicts on silent (not fenced) servers be taken now?
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hold {
+    /// Redis has been reachable for a full grace.
+    Ready,
+    /// Reachable, but not for a full grace yet: this much longer.
+    Waiting { remaining_ms: u64 },
+    /// A call failed and no observation has succeeded since (or none ever did).
+    Unreachable,
+}
+
+impl Hold {
+    pub fn is_ready(self) -> bool {
+        self == Hold::Ready
+    }
+
+    /// How long verdicts still wait at least (the grace while unreachable).
+    pub fn remaining_ms(self, grace_ms: u64) -> u64 {
+        match self {
+            Hold::Ready => 0,
+            Hold::Waiting { remaining_ms } => remaining_ms,
+            Hold::Unreachable => grace_ms,
+        }
+    }
+}
+
+/// The reachable-time state machine, without I/O: every time is given to it, so that
+/// the tests can move clocks.
+#[derive(Debug)]
+pub struct Tracker {
+    pub(super) grace_ms: u64,
+    /// A step of Redis's clock within this is ignored (see [`Tracker::new`]).
+    pub(super) tolerance_ms: u64,
+    /// An observation slower than this counts as "not answering".
+    pub(super) slow_ms: u64,
+    /// Failed calls so far.
+    pub(super) failures: u64,
+    /// Failed calls accounted for by a successful observation; fewer than `failures`
+    /// means Redis is unreachable now.
+    pub(super) seen_failures: u64,
+    /// The last successful observation.
+    pub(super) last: Option<Seen>,
+    /// Redis time (unix ms) at which the current reachable stretch began.
+    pub(super) reachable_since_ms: u64,
+    /// An outage was reported and its grace has not been seen to end yet (for the
+    /// "verdicts resume" log line).
+    pub(super) holding: bool,
+}
+
+impl Tracker {
+    /// The clock-jump tolerance is a quarter of the grace, at most 1 s: a live server's
+    /// heartbeat is at most one heartbeat interval old, which must be well under the
+    /// grace anyway, so a smaller step cannot take a live server past the grace; NTP's
+    /// slewing moves a clock by at most 0.5 ms per second, far below it. The monotonic
+    /// bound already includes the round trips, so a slow reply is no jump.
+    pub fn new(grace_ms: u64, slow_ms: u64) -> Self {
+        Tracker {
+            grace_ms,
+            tolerance_ms: (grace_ms / 4).min(1000),
+            slow_ms,
+            failures: 0,
+            seen_failures: 0,
+            last: None,
+            reachable_since_ms: 0,
+            holding: false,
+        }
+    }
+
+    /// A call failed with an outage error; true if Redis was taken as reachable until now
+    /// (the start of an outage).
+    pub fn failed(&mut self) -> bool {
+        let first = self.failures == self.seen_failures;
+        self.failures += 1;
+        self.holding = true;
+        first
+    }
+
+    /// Failed calls so far: taken before an observation is sent, and given back to
+    /// [`Tracker::observed`].
+    pub fn failures(&self) -> u64 {
+        self.failures
+    }
+
+    /// An observation sent when [`Tracker::failures`] was `failures_before` succeeded.
+    pub fn observed(&mut self, seen: Seen, failures_before: u64) -> Observed {
+        let now = seen.redis_ms;
+        // A process's first observation also opens its connection.
+        let slow_ms = match self.last {
+            Some(_) => self.slow_ms,
+            None => self.slow_ms + CONNECTING_MS,
+        };
+        let mut out = Observed {
+            after_failures: failures_before != self.seen_failures,
+            slow: seen.received_mono_ms.saturating_sub(seen.sent_mono_ms) > slow_ms,
+            ..Observed::default()
+        };
+        self.seen_failures = self.seen_failures.max(failures_before);
+        if let Some(current) = &seen.run_ids {
+            let recorded = seen.record.as_ref().and_then(|r| r.run_ids.as_ref());
+            let previous = self.last.as_ref().and_then(|l| l.run_ids.as_ref());
+            out.restart = [recorded, previous]
+                .into_iter()
+                .flatten()
+                .any(|known| known != current);
+        }
+        if let Some(p) = &self.last {
+            let redis_delta = now.saturating_sub(p.redis_ms);
+            let redis_bound = seen.received_mono_ms.saturating_sub(p.sent_mono_ms);
+            let local_delta = seen.local_ms.saturating_sub(p.local_ms);
+            let local_bound = seen.received_mono_ms.saturating_sub(p.received_mono_ms);
+            out.clock_jump = redis_delta > redis_bound + self.tolerance_ms
+                || local_delta > local_bound + self.tolerance_ms;
+        }
+        let mut since = self.reachable_since_ms;
+        if seen.record.is_none() && seen.loaded_from_disk {
+            if let Some(up) = seen.uptime_ms.filter(|&up| up < self.grace_ms) {
+                out.started_recently = true;
+                since = since.max(now.saturating_sub(up));
+            }
+        }
+        if out.after_failures || out.slow || out.restart || out.clock_jump {
+            since = now;
+        }
+        // A record from the future (Redis's clock stepped back) is not honoured.
+        let recorded = seen
+            .record
+            .as_ref()
+            .map_or(0, |r| r.reachable_since_ms)
+            .min(now);
+        if recorded > since {
+            out.adopted = recorded > self.reachable_since_ms;
+            since = recorded;
+        }
+        // Redis's clock stepped back past the stretch's start: a full grace from now.
+        if since > now {
+            since = now;
+        }
+        self.reachable_since_ms = since;
+        let stored = seen.record.clone().unwrap_or_default();
+        let wanted = Record {
+            run_ids: seen.run_ids.clone().or(stored.run_ids.clone()),
+            reachable_since_ms: since,
+        };
+        if seen.record.is_none() || wanted != stored {
+            out.store = Some(wanted);
+        }
+        if out.slow || out.restart || out.clock_jump || out.started_recently || out.adopted {
+            self.holding = true;
+        }
+        self.last = Some(seen);
+        out
+    }
+
+    /// The store wrote `reachable_since_ms` (the greatest known): adopted.
+    pub fn stored(&mut self, reachable_since_ms: u64) {
+        let now = self.last.as_ref().map_or(u64::MAX, |l| l.redis_ms);
+        if reachable_since_ms > self.reachable_since_ms && reachable_since_ms <= now {
+            self.reachable_since_ms = reachable_since_ms;
+        }
+    }
+
+    /// Redis time now, as estimated from the last observation (a lower bound: the
+    /// monotonic time since its reply came back).
+    fn redis_now(&self, mono_now_ms: u64) -> Option<u64> {
+        let l = self.last.as_ref()?;
+        Some(l.redis_ms + mono_now_ms.saturating_sub(l.received_mono_ms))
+    }
+
+    /// May verdicts on silent servers be taken at monotonic time `mono_now_ms`?
+    pub fn hold(&self, mono_now_ms: u64) -> Hold {
+        if self.failures != self.seen_failures {
+            return Hold::Unreachable;
+        }
+        let Some(now) = self.redis_now(mono_now_ms) else {
+            return Hold::Unreachable;
+        };
+        let until = self.reachable_since_ms.saturating_add(self.grace_ms);
+        if now < until {
+            Hold::Waiting {
+                remaining_ms: until - now,
+            }
+        } else {
+            Hold::Ready
+        }
+    }
+
+    /// True once, when a reported outage's grace of reachable time has passed.
+    pub fn resumed(&mut self, mono_now_ms: u64) -> bool {
+        if self.holding && self.hold(mono_now_ms).is_ready() {
+            self.holding = false;
+            return true;
+        }
+        false
+    }
+
+    /// Milliseconds since the last observation (`None` before the first).
+    pub fn age_ms(&self, mono_now_ms: u64) -> Option<u64> {
+        Some(mono_now_ms.saturating_sub(self.last.as_ref()?.received_mono_ms))
+    }
+
+    /// How long Redis has been reachable without a break, as far as known: since the
+    /// last outage, or since Redis started. 0 while unreachable.
+    pub fn reachable_for_ms(&self, mono_now_ms: u64) -> u64 {
+        if self.failures != self.seen_failures {
+            return 0;
+        }
+        let (Some(now), Some(l)) = (self.redis_now(mono_now_ms), self.last.as_ref()) else {
+            return 0;
+        };
+        let started = l.uptime_ms.map_or(0, |up| l.redis_ms.saturating_sub(up));
+        now.saturating_sub(self.reachable_since_ms.max(started))
+    }
+
+    /// The current stretch's start (Redis time, unix ms; 0 for none known).
+    pub fn reachable_since_ms(&self) -> u64 {
+        self.reachable_since_ms
+    }
+}
