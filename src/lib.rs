@@ -57,20 +57,24 @@
 //!   tests.
 //! - [`dead_letters`]: listing, replaying and purging dead letters; [`status`]: what
 //!   `status` reports.
-//! - [`receiver`]: the Alertmanager webhook receiver (`alert-receiver`): one
+//! - `receiver`: the Alertmanager webhook receiver (`alert-receiver`): one
 //!   `server.dead` per firing alert, once per alert (`webhook.rs`: the payload and what
 //!   an alert becomes; `publish.rs`: the once-only publish script; `credentials.rs`:
 //!   its bearer token and TLS certificate).
 //! - `protocol/*.lua` (outside `src/`): the connection-server protocol as scripts
 //!   (register, heartbeat, unregister, release, route), which [`registry`] runs.
-//! - [`health`]: liveness and readiness, shared by the worker and the reconciler;
-//!   [`http`]: the /metrics, /healthz and /readyz listener.
+//! - `health`: liveness and readiness, shared by the worker and the reconciler;
+//!   `http`: the /metrics, /healthz and /readyz listener.
 //! - [`conn`] (one node, a cluster or Sentinel; `conn/cluster.rs`: masters, node
 //!   clients, epoch; `conn/sentinel/`: the primary through Sentinel; `conn/commands.rs`:
-//!   commands over several keys), [`retry`], [`metrics`], [`error`], `reply` (decoding
+//!   commands over several keys), `retry`, [`metrics`], [`error`], `reply` (decoding
 //!   the scripts' replies into named types) and `lock`: plumbing.
 //! - [`service`]: the settings flags, logging, signals, and the long-running commands
 //!   (`worker`, `reconcile`, `alert-receiver`) with their metrics listener.
+//!
+//! The public modules are the ones the two binaries (`registry-janitor`,
+//! `registry-janitor-lab`) and the tests drive; the others (`health`, `http`, `receiver`,
+//! `retry`, `reply`, `lock`) are private to the crate.
 //!
 //! The command line is the binary, `src/bin/registry-janitor/`: `main.rs` parses, loads
 //! the settings and calls one function per command (`commands.rs`); `output.rs` prints.
@@ -88,17 +92,17 @@ pub mod evictions;
 pub mod fence;
 pub mod forward;
 pub mod guard;
-pub mod health;
-pub mod http;
+pub(crate) mod health;
+pub(crate) mod http;
 pub mod keys;
 pub(crate) mod lock;
 pub mod maintenance;
 pub mod metrics;
-pub mod receiver;
+pub(crate) mod receiver;
 pub mod reconcile;
 pub mod registry;
 pub(crate) mod reply;
-pub mod retry;
+pub(crate) mod retry;
 pub mod service;
 pub mod status;
 pub mod stream;
