@@ -102,7 +102,7 @@ pub struct Metrics {
     /// left to the per-slot scripts: their slot moved or was moving, or the node did not
     /// answer.
     pub cluster_users_rechecked: IntCounter,
-    /// 1 while Redis answers PING, 0 while it does not (see [`crate::health::watch_redis`]).
+    /// 1 while Redis answers PING, 0 while it does not (see `health::watch_redis`).
     pub redis_up: IntGauge,
     /// How long Redis has been reachable without a break, as the reconciler knows it
     /// (since its last outage, or since Redis started): verdicts on silent servers wait

@@ -170,7 +170,7 @@ pub async fn reconcile(
 
 /// `alert-receiver`: serves Alertmanager's webhook until `shutdown`, then drains the
 /// requests in flight (at most `drain_timeout_ms`; each waits for Redis at most
-/// [`receiver::REDIS_DEADLINE`]). The token and TLS files are read, and
+/// `receiver::REDIS_DEADLINE`). The token and TLS files are read, and
 /// the listener bound, before anything else: a wrong setting stops start-up at once.
 pub async fn alert_receiver(
     settings: &Settings,
