@@ -2,8 +2,8 @@
 //! private redis-server (or local cluster) when no Redis answers at `redis_url`.
 //!
 //! - [`cli`]: the flags and subcommands.
-//! - [`demo`]: the whole story on one machine, verified.
-//! - [`bench`]: the benchmark (one dead server, or a zone outage with `--zone`).
+//! - [`demo`](mod@demo): the whole story on one machine, verified.
+//! - [`bench`](mod@bench): the benchmark (one dead server, or a zone outage with `--zone`).
 //! - [`private`]: the Redis they run on, private when none answers.
 //!
 //! The benchmark's worker processes are this binary's hidden `worker` command, which runs
