@@ -37,6 +37,18 @@ pub mod guard_decision {
     pub const ALL: [&str; 5] = [LET_THROUGH, HELD, DROPPED, RELEASED, DUPLICATE];
 }
 
+/// Label values of `registry_janitor_reconcile_outages_total`: what started a new
+/// stretch of Redis-reachable time.
+pub mod outage_cause {
+    /// A call failed, or Redis took too long to answer.
+    pub const FAILED_CALLS: &str = "failed_calls";
+    /// Redis restarted or failed over, or started recently from disk.
+    pub const RESTART: &str = "restart";
+    /// Redis's clock (or the reconciler's) stepped forward.
+    pub const CLOCK_JUMP: &str = "clock_jump";
+    pub const ALL: [&str; 3] = [FAILED_CALLS, RESTART, CLOCK_JUMP];
+}
+
 /// Outcome label values of `registry_janitor_receiver_alerts_total`.
 pub mod alert_outcome {
     /// A firing alert whose `server.dead` this request published.
@@ -311,7 +323,7 @@ impl Metrics {
         ] {
             registry.register(c).expect(UNIQUE);
         }
-        for cause in crate::guard::reachable::CAUSES {
+        for cause in outage_cause::ALL {
             reconcile_outages.with_label_values(&[cause]);
         }
         let steps = crate::cleanup::limiter::LimiterMetrics {

@@ -66,7 +66,7 @@ pub use observation::recorded_since;
 mod tracker;
 
 use tracker::CONNECTING_MS;
-pub use tracker::{Cause, Hold, Record, Seen, Tracker, CAUSES};
+pub use tracker::{Cause, Hold, Record, Seen, Tracker};
 
 /// True for an error that means Redis is away or not serving (see the module docs).
 pub fn is_outage(e: &Error) -> bool {

@@ -2,12 +2,11 @@
 //! say about since when Redis has been reachable, with no I/O of its own (see the
 //! parent module).
 
+use crate::metrics::outage_cause;
+
 /// What a process's first observation may take on top of [`super::Reachable::step`]: it opens
 /// the connection (the connect timeout is 2 s).
 pub(super) const CONNECTING_MS: u64 = 2000;
-
-/// Labels of `registry_janitor_reconcile_outages_total`.
-pub const CAUSES: [&str; 3] = ["failed_calls", "restart", "clock_jump"];
 
 /// What an observation found that starts a new stretch of reachable time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,11 +20,12 @@ pub enum Cause {
 }
 
 impl Cause {
+    /// Its label value of `registry_janitor_reconcile_outages_total`.
     pub fn label(self) -> &'static str {
         match self {
-            Cause::FailedCalls => CAUSES[0],
-            Cause::Restart => CAUSES[1],
-            Cause::ClockJump => CAUSES[2],
+            Cause::FailedCalls => outage_cause::FAILED_CALLS,
+            Cause::Restart => outage_cause::RESTART,
+            Cause::ClockJump => outage_cause::CLOCK_JUMP,
         }
     }
 }
