@@ -118,7 +118,8 @@ pub fn redis_error_is_retryable(e: &redis::RedisError) -> bool {
         // A cluster node that redis-rs has no connection to yet (a failover, a reshard).
         redis::ErrorKind::ClusterConnectionNotFound => return true,
         // A reply that does not parse: the connection is replaced and the command retried.
-        redis::ErrorKind::Parse => return true,
+        // Not a script's reply that its decoder refused: that is a defect, not a state.
+        redis::ErrorKind::Parse => return !crate::reply::is_unexpected_reply(e),
         // Redis Sentinel names no valid primary: during a failover the old one is marked
         // down and the new one is not promoted yet. (A wrong redis_sentinel_master looks
         // the same, and is logged as failing, with this message, until it is fixed.)

@@ -8,9 +8,20 @@
 
 use redis::{FromRedisValue, ParsingError, Value};
 
+/// How every error of a reply that is not what it should be begins: such a reply is a
+/// script and its decoder that disagree, not a state that passes, and is never retried
+/// (see [`is_unexpected_reply`]).
+const UNEXPECTED: &str = "unexpected reply of ";
+
 /// An error for a reply of `script` that is not what it should be.
 pub(crate) fn malformed(script: &str, expected: &str, got: &Value) -> ParsingError {
-    format!("{script} replied {got:?} where {expected} was expected").into()
+    format!("{UNEXPECTED}{script}: {got:?} where {expected} was expected").into()
+}
+
+/// Whether `e` is a script's reply that its decoder refused (as opposed to bytes on the
+/// wire that do not parse, which a new connection fixes).
+pub(crate) fn is_unexpected_reply(e: &redis::RedisError) -> bool {
+    e.kind() == redis::ErrorKind::Parse && e.to_string().contains(UNEXPECTED)
 }
 
 /// The fields of a script's reply (a Lua table), taken in order.
@@ -43,7 +54,7 @@ impl Fields {
     pub(crate) fn next<T: FromRedisValue>(&mut self, what: &str) -> Result<T, ParsingError> {
         let value = self.value();
         T::from_redis_value(value)
-            .map_err(|e| format!("{}: field `{what}`: {e}", self.script).into())
+            .map_err(|e| format!("{UNEXPECTED}{}: field `{what}`: {e}", self.script).into())
     }
 
     /// The next field as it came (`Nil` past the end, which [`Fields::new`] rules out).
@@ -131,6 +142,24 @@ mod tests {
         let mut fields = Fields::new("x.lua", Value::Array(vec![Value::Nil]), 1).unwrap();
         let err = fields.next::<u64>("count").unwrap_err().to_string();
         assert!(err.contains("x.lua") && err.contains("count"), "{err}");
+    }
+
+    #[test]
+    fn a_refused_reply_is_not_retried() {
+        let refused: redis::RedisError = malformed("x.lua", "a table", &Value::Int(1)).into();
+        assert!(is_unexpected_reply(&refused));
+        assert!(
+            !crate::error::redis_error_is_retryable(&refused),
+            "{refused}"
+        );
+        let mut fields = Fields::new("x.lua", Value::Array(vec![Value::Nil]), 1).unwrap();
+        let refused: redis::RedisError = fields.next::<u64>("count").unwrap_err().into();
+        assert!(
+            !crate::error::redis_error_is_retryable(&refused),
+            "{refused}"
+        );
+        let wire: redis::RedisError = ParsingError::from("invalid response byte").into();
+        assert!(crate::error::redis_error_is_retryable(&wire), "{wire}");
     }
 
     #[test]

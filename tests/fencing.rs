@@ -472,3 +472,61 @@ async fn a_fenced_server_is_told_so_even_when_redis_is_out_of_memory() {
         );
     }
 }
+
+/// route.lua only reads (`no-writes`): on a read-only replica it answers as EVALSHA_RO,
+/// and for an ACL user without EVALSHA_RO as plain EVALSHA.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn route_answers_on_a_read_only_replica_with_or_without_evalsha_ro() {
+    let f = Fixture::new(Layout::Hash);
+    let live = server("gw-live#1");
+    f.registry.register(&f.conn, b"u1", &live).await.unwrap();
+    f.registry.heartbeat(&f.conn, &live, 600_000).await.unwrap();
+    let port = f.redis.port().to_string();
+    let replica = redis_with(&["--replicaof", "127.0.0.1", &port]);
+    let on_replica =
+        registry_janitor::conn::shared(&registry_janitor::conn::client(&replica.url()).unwrap())
+            .unwrap();
+    let mut copied = false;
+    for _ in 0..200 {
+        let owner: Option<String> = redis::cmd("HGET")
+            .arg(f.keys.registry())
+            .arg("u1")
+            .query_async(&mut on_replica.clone())
+            .await
+            .unwrap_or(None);
+        if owner.is_some() && f.registry.route(&on_replica, b"u1").await.is_ok() {
+            copied = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(copied, "the replica never had the entry");
+    let registry = Registry::new(f.keys.clone(), Layout::Hash);
+    assert_eq!(
+        registry.route(&on_replica, b"u1").await.unwrap().as_deref(),
+        Some("gw-live#1")
+    );
+    // A user allowed EVALSHA but not EVALSHA_RO.
+    let p = f.settings.key_prefix.clone();
+    let rules = format!(
+        "cs reset on >pw ~{p}registry ~{p}user:* ~{p}server:* -@all +ping +select +evalsha +eval +script|load +exists +hget +get"
+    );
+    let mut acl = redis::cmd("ACL");
+    acl.arg("SETUSER");
+    for rule in rules.split(' ') {
+        acl.arg(rule);
+    }
+    let _: () = acl.query_async(&mut on_replica.clone()).await.unwrap();
+    let as_cs = registry_janitor::conn::shared(
+        &registry_janitor::conn::client(&format!("redis://cs:pw@127.0.0.1:{}", replica.port()))
+            .unwrap(),
+    )
+    .unwrap();
+    let registry = Registry::new(f.keys.clone(), Layout::Hash);
+    for _ in 0..2 {
+        assert_eq!(
+            registry.route(&as_cs, b"u1").await.unwrap().as_deref(),
+            Some("gw-live#1")
+        );
+    }
+}

@@ -25,15 +25,20 @@ impl redis::FromRedisValue for Routed {
     }
 }
 
-/// A refusal of the command itself: unknown (a server or proxy that does not know it),
-/// or not allowed to this user (an ACL without it).
-fn refuses_command(e: &redis::RedisError) -> bool {
-    let detail = e.detail().unwrap_or_default().to_ascii_lowercase();
-    match e.code() {
-        Some("NOPERM") => detail.contains("evalsha_ro"),
-        Some("ERR") => detail.contains("unknown command"),
-        _ => false,
-    }
+/// Whether an error of EVALSHA_RO may be a refusal of the command itself (a server or a
+/// proxy that does not know it, whatever its wording; an ACL user without it): an error
+/// reply that is neither a state that passes, nor NOSCRIPT, nor a cluster's refusal of the
+/// script. Plain EVALSHA is then tried once, and kept only if it answers.
+fn may_refuse_command(e: &redis::RedisError) -> bool {
+    e.code().is_some()
+        && e.kind() != redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
+        && !crate::error::redis_error_is_retryable(e)
+        && !refused_on_cluster(e)
+}
+
+/// A cluster's refusal of route.lua (`no-cluster`).
+fn refused_on_cluster(e: &redis::RedisError) -> bool {
+    e.detail().is_some_and(|d| d.contains("no-cluster"))
 }
 
 impl Registry {
@@ -84,20 +89,23 @@ impl Registry {
                 ROUTE.load_async(&mut conn.clone()).await?;
                 call(command).query_async(&mut conn.clone()).await
             }
-            Err(e) if read_only && refuses_command(&e) => {
-                self.read_only_refused.store(true, Ordering::Relaxed);
+            Err(e) if read_only && may_refuse_command(&e) => {
                 let mut call = ROUTE.prepare_invoke();
                 call.key(&forward)
                     .arg(user)
                     .arg(self.layout.as_str())
                     .arg(self.keys.prefix());
-                call.invoke_async(&mut conn.clone()).await
+                let routed = call.invoke_async(&mut conn.clone()).await;
+                if routed.is_ok() {
+                    self.read_only_refused.store(true, Ordering::Relaxed);
+                }
+                routed
             }
             other => other,
         };
         match routed {
             Ok(Routed(owner)) => Ok(owner),
-            Err(e) if e.detail().is_some_and(|d| d.contains("no-cluster")) => {
+            Err(e) if refused_on_cluster(&e) => {
                 Err(Error::Protocol(format!(
                     "route.lua runs on one Redis node only ({e}): this Redis is a cluster; \
                      connect to it as a cluster (setting `redis_cluster`), where route reads the owner, then its fence and \
