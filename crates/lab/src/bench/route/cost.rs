@@ -102,7 +102,7 @@ pub(in crate::bench) async fn route_cost(b: &Bench<'_>, lookups: usize) -> Resul
             registry_users: scene.users,
             in_flight: ROUTE_IN_FLIGHT,
             route_path: match conn.is_cluster() {
-                false => "EVALSHA".into(),
+                false => "EVALSHA_RO".into(),
                 true => "2 round trips".into(),
             },
             cpu_ratio: ratio(route.redis_cpu_us_per_lookup, plain.redis_cpu_us_per_lookup),
@@ -144,7 +144,7 @@ async fn lookup_run(
         lanes.push(c);
     }
     let command = match (lookup, b.settings.layout) {
-        (Lookup::Route, _) => "evalsha",
+        (Lookup::Route, _) => "evalsha_ro",
         (Lookup::Plain, Layout::Hash) => "hget",
         (Lookup::Plain, Layout::Keys) => "get",
     };
