@@ -114,6 +114,46 @@ local function announce_evicted(stream, server, event_id, source, users)
   return entries
 end
 
+-- Layout conns: XADDs `connections.evicted` entries for `members` (`<connection id>
+-- <user id>`, whose entries this script deleted), 1,000 pairs per entry: `connections` is
+-- an array of [user id (binary), connection id (string)]. Returns the entries written.
+local function announce_connections_evicted(stream, server, event_id, source, members)
+  if not stream or stream == '' or #members == 0 then return 0 end
+  local at = mp_uint(now_ms())
+  local entries = 0
+  for first = 1, #members, EVICTED_PER_ENTRY do
+    local last = math.min(first + EVICTED_PER_ENTRY - 1, #members)
+    local list, n = {}, 0
+    for i = first, last do
+      local m = members[i]
+      local space = string.find(m, ' ', 1, true)
+      if space and space > 1 then
+        n = n + 1
+        list[n] = '\146' .. mp_bin(string.sub(m, space + 1)) .. mp_str(string.sub(m, 1, space - 1))
+      end
+    end
+    if n > 0 then
+      local payload = mp_map({
+        'v', mp_uint(1), 'source', mp_str(source), 'server_id', mp_str(server),
+        'event_id', mp_str(event_id), 'connections', mp_array_header(n) .. table.concat(list),
+        'evicted_at_ms', at,
+      })
+      redis.call('XADD', stream, '*', 'type', 'connections.evicted', 'payload', payload)
+      entries = entries + 1
+    end
+  end
+  return entries
+end
+
+-- The announcement of deleted reverse-set members for `layout`: `users.evicted` (hash,
+-- keys) or `connections.evicted` (conns).
+local function announce_members(stream, server, event_id, source, members, layout)
+  if layout == 'conns' then
+    return announce_connections_evicted(stream, server, event_id, source, members)
+  end
+  return announce_evicted(stream, server, event_id, source, members)
+end
+
 -- XADDs the `server.cleaned` entry of a finished cleanup.
 local function announce_cleaned(stream, server, event_id, deleted, kept)
   if not stream or stream == '' then return end

@@ -117,7 +117,8 @@ impl redis::FromRedisValue for NodeReply {
 
 /// Check-and-delete of `users`' forward entries that still name `server`. Kept are
 /// entries that name another server now. Works on one node and on a cluster: one call
-/// for layout `hash` (its entries share the `registry` key); for layout `keys` on a
+/// for layout `hash` (its entries share the `registry` key); layout `conns`, one script
+/// per slot of the users' Hashes (members `<connection> <user>`); for layout `keys` on a
 /// cluster, one script per master (`check_delete_node.lua`, the users grouped by the
 /// master that serves their slot), and one per slot (`check_delete.lua`) for the users
 /// whose slot is moving or whose node did not answer.
@@ -275,6 +276,36 @@ async fn check_delete_by_slot(
                 call.arg(*u);
             }
             calls.push((call, users));
+        }
+        Layout::Conns => {
+            // Members `<connection> <user>`, grouped by the slot of their user's Hash; a
+            // member of another shape has no entry (reported absent).
+            let mut by_slot: std::collections::HashMap<u16, Vec<&Vec<u8>>> =
+                std::collections::HashMap::new();
+            let mut odd = Vec::new();
+            for (i, m) in users.iter().enumerate() {
+                match keys.forward_of_member(Layout::Conns, m) {
+                    Some((key, _)) => by_slot
+                        .entry(crate::conn::key_slot(&key))
+                        .or_default()
+                        .push(*m),
+                    None => odd.push(i),
+                }
+            }
+            for i in odd {
+                checked.absent_users.push(users[i].clone());
+            }
+            for members in by_slot.into_values() {
+                let mut call = CHECK_DELETE.prepare_invoke();
+                call.arg(server.as_str()).arg("conns");
+                for m in &members {
+                    if let Some((key, Some(connection))) = keys.forward_of_member(Layout::Conns, m)
+                    {
+                        call.key(key).arg(connection);
+                    }
+                }
+                calls.push((call, members));
+            }
         }
         Layout::Keys => {
             let mut by_slot: std::collections::HashMap<u16, Vec<&Vec<u8>>> =

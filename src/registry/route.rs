@@ -27,7 +27,7 @@ impl redis::FromRedisValue for Routed {
 
 /// A refusal of the command itself: unknown (a server or proxy that does not know it),
 /// or not allowed to this user (an ACL without it).
-fn refuses_command(e: &redis::RedisError) -> bool {
+pub(super) fn refuses_command(e: &redis::RedisError) -> bool {
     let detail = e.detail().unwrap_or_default().to_ascii_lowercase();
     match e.code() {
         Some("NOPERM") => detail.contains("evalsha_ro"),
@@ -44,8 +44,12 @@ impl Registry {
     /// two single-slot steps: the owner, then its fence and liveness keys. A cluster
     /// reached through a plain connection refuses route.lua (`no-cluster`):
     /// [`Error::Protocol`], saying to connect as a cluster.
+    ///
+    /// Layout `conns`: `user` is a member `<connection id> <user id>` and this routes
+    /// that one connection (two steps on every topology); see [`Registry::route_user`]
+    /// for every connection of a user.
     pub async fn route(&self, conn: &RedisConn, user: &[u8]) -> Result<Option<String>> {
-        if !conn.is_cluster() {
+        if !conn.is_cluster() && self.layout != Layout::Conns {
             return self.route_on_node(conn, user).await;
         }
         let Some(owner) = self.owner(conn, user).await? else {
@@ -108,9 +112,20 @@ impl Registry {
         }
     }
 
-    /// The server a user's forward entry names, if any.
+    /// The server a user's forward entry names, if any (layout `conns`: `user` is a
+    /// member `<connection id> <user id>`, and this is its connection's server).
     pub async fn owner(&self, conn: &RedisConn, user: &[u8]) -> Result<Option<String>> {
         let owner: Option<String> = match self.layout {
+            Layout::Conns => {
+                let Some((key, field)) = self.keys.forward_of_member(self.layout, user) else {
+                    return Ok(None);
+                };
+                redis::cmd("HGET")
+                    .arg(key)
+                    .arg(field)
+                    .query_async(&mut conn.clone())
+                    .await?
+            }
             Layout::Hash => {
                 redis::cmd("HGET")
                     .arg(self.keys.registry())
@@ -128,7 +143,8 @@ impl Registry {
         Ok(owner)
     }
 
-    /// Owners of many users at once (HMGET or MGET), in order.
+    /// Owners of many users at once (HMGET or MGET; layout `conns`: one HGET per member),
+    /// in order.
     pub async fn owners(&self, conn: &RedisConn, users: &[Vec<u8>]) -> Result<Vec<Option<String>>> {
         self.owners_as(conn, users).await
     }
@@ -150,6 +166,21 @@ impl Registry {
                     .arg(users)
                     .query_async(&mut conn.clone())
                     .await?
+            }
+            Layout::Conns => {
+                // One HGET per member (a member that is no `<connection> <user>` reads the
+                // Hash `user:{<member>}:conns`'s empty field: none).
+                let gets = users
+                    .iter()
+                    .map(|m| {
+                        let (key, field) = self
+                            .keys
+                            .forward_of_member(self.layout, m)
+                            .unwrap_or_else(|| (self.keys.user_conns(m), Some(Vec::new())));
+                        redis::cmd("HGET").arg(key).arg(field).to_owned()
+                    })
+                    .collect();
+                crate::conn::each_in_flight(conn, gets).await?
             }
             Layout::Keys if conn.is_cluster() => {
                 // No MGET across slots: one GET per user, many in flight, in order.
