@@ -394,10 +394,7 @@ pub fn janitor(settings: &Settings) -> Command {
         .env("PATH", std::env::var_os("PATH").unwrap_or_default())
         .env("JANITOR_REDIS_URL", &settings.redis_url)
         .env("JANITOR_KEY_PREFIX", &settings.key_prefix)
-        .env(
-            "JANITOR_LAYOUT",
-            settings.layout.as_str(),
-        )
+        .env("JANITOR_LAYOUT", settings.layout.as_str())
         .env("JANITOR_CHUNK_SIZE", settings.chunk_size.to_string())
         .env("JANITOR_BLOCK_MS", settings.block_ms.to_string())
         .env(
@@ -609,7 +606,12 @@ pub async fn register_until_acked(
 ) -> Vec<Vec<u8>> {
     let mut before_ack = Vec::new();
     for n in 0.. {
-        let u = format!("late-{n}").into_bytes();
+        let u = match registry.layout() {
+            Layout::Conns => {
+                registry_janitor::keys::conn_member("late", format!("late-{n}").as_bytes())
+            }
+            _ => format!("late-{n}").into_bytes(),
+        };
         // The original protocol (no fence check): its late writes are cleaned before the
         // acknowledgement, though the writer is never told.
         registry.register_legacy(conn, &u, server).await.unwrap();
