@@ -95,6 +95,15 @@ pub fn entry(layout: Layout, server: &ServerId, n: usize) -> Vec<u8> {
     }
 }
 
+/// `user` as the registry's calls take it: itself, or in layout `conns` its connection
+/// `c`, as the member `c <user>`.
+pub fn as_entry(layout: Layout, user: &[u8]) -> Vec<u8> {
+    match layout {
+        Layout::Conns => registry_janitor::keys::conn_member("c", user),
+        _ => user.to_vec(),
+    }
+}
+
 /// What almost every test starts with: a private Redis, settings under a fresh prefix,
 /// a connection, the key names and the registry. Fields drop in order: Redis last.
 pub struct Fixture {
