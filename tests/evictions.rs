@@ -29,7 +29,7 @@ use registry_janitor::{
 /// cleanup runs: the users announced are exactly those whose entry was deleted, each once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_deleted_user_is_announced_exactly_once() {
-    for layout in [Layout::Hash, Layout::Keys] {
+    for layout in [Layout::Hash, Layout::Keys, Layout::Conns] {
         // Steps of 1,500 members: a step that deletes more than 1,000 writes two entries.
         let f = Fixture::with(layout, |s| {
             s.chunk_size = 1500;
@@ -52,7 +52,7 @@ async fn each_deleted_user_is_announced_exactly_once() {
                 let mut moved = Vec::new();
                 let mut n = 0;
                 while moving.load(Ordering::Relaxed) && n < USERS {
-                    let u = user(&dead, n);
+                    let u = entry(layout, &dead, n);
                     let was = reconnect_telling(&conn, &keys, layout, &u, &live).await;
                     moved.push((u, was));
                     n += 7;
@@ -77,7 +77,7 @@ async fn each_deleted_user_is_announced_exactly_once() {
             .map(|(u, _)| u.clone())
             .collect();
         let deleted: HashSet<Vec<u8>> = (0..USERS)
-            .map(|n| user(&dead, n))
+            .map(|n| entry(layout, &dead, n))
             .filter(|u| !kept.contains(u))
             .collect();
         assert!(
@@ -239,7 +239,7 @@ async fn switched_off_the_stream_is_never_written() {
 /// only those: a live server's entries, and a dead owner's entry that moved, are not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_drift_sweep_announces_what_it_removes() {
-    for layout in [Layout::Hash, Layout::Keys] {
+    for layout in [Layout::Hash, Layout::Keys, Layout::Conns] {
         let f = Fixture::with(layout, |s| s.heartbeat_grace_ms = 1);
         let (ghost, live) = (server("gw-ghost#1"), server("gw-live#1"));
         f.seed(&ghost, 700).await;
@@ -256,7 +256,7 @@ async fn the_drift_sweep_announces_what_it_removes() {
         let _: () = f
             .query(redis::cmd("ZREM").arg(f.keys.servers()).arg(ghost.as_str()))
             .await;
-        f.reconnect(&user(&ghost, 0), &live).await;
+        f.reconnect(&entry(layout, &ghost, 0), &live).await;
         let reconciler = Reconciler::new(&f.settings, Metrics::new()).await.unwrap();
         let mut cursor: Option<String> = None;
         loop {
@@ -269,12 +269,15 @@ async fn the_drift_sweep_announces_what_it_removes() {
         assert_eq!(f.still_pointing(&ghost, 700).await, 0, "{layout:?}");
         let (announced, cleaned) = evictions(&f).await;
         assert!(cleaned.is_empty());
-        let expected = (1..700).map(|n| user(&ghost, n)).collect();
+        let expected = (1..700).map(|n| entry(layout, &ghost, n)).collect();
         assert_announced_exactly_once(&announced, &ghost, &expected);
         for (_, entry) in evictions::read_all(&f.conn, &f.keys).await.unwrap() {
-            let Some(Eviction::Evicted {
+            let (Some(Eviction::Evicted {
                 source, event_id, ..
-            }) = entry
+            })
+            | Some(Eviction::ConnectionsEvicted {
+                source, event_id, ..
+            })) = entry
             else {
                 panic!("{entry:?}")
             };
