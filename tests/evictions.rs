@@ -516,3 +516,64 @@ fn base64_check() -> String {
         other => panic!("{other:?}"),
     }
 }
+
+/// Layout conns: the `connections.evicted` payloads, written by the cleanup script and by
+/// the Rust encoder (the cluster's path), are what connections-evicted.schema.json says.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_evicted_payloads_match_their_schema() {
+    let schema: serde_json::Value =
+        serde_json::from_str(include_str!("../schemas/connections-evicted.schema.json")).unwrap();
+    let validator = jsonschema::validator_for(&schema).unwrap();
+    let f = Fixture::new(Layout::Conns);
+    let dead = server("gw-7#1");
+    f.seed(&dead, 1_200).await;
+    f.registry
+        .register_connection(&f.conn, b"\xff\x00 \x01", "tab-1", &dead)
+        .await
+        .unwrap();
+    let worker = spawn_worker(&f.settings);
+    f.kill(&dead).await;
+    f.wait_idle().await;
+    worker.stop().await;
+    type Fields = Vec<(String, Vec<u8>)>;
+    let raw: Vec<(String, Fields)> = f
+        .query(
+            redis::cmd("XRANGE")
+                .arg(f.keys.evictions().unwrap())
+                .arg("-")
+                .arg("+"),
+        )
+        .await;
+    let mut payloads: Vec<Vec<u8>> = raw
+        .into_iter()
+        .filter_map(|(_, fields)| {
+            let get = |n: &str| fields.iter().find(|(k, _)| k == n).unwrap().1.clone();
+            (get("type") == b"connections.evicted").then(|| get("payload"))
+        })
+        .collect();
+    assert!(payloads.len() >= 2, "1,201 pairs take 2 entries at least");
+    let user: &[u8] = &[0xff, 0, 1];
+    payloads.push(evictions::connections_evicted_payload(
+        &dead,
+        "01J",
+        evictions::Source::Sweep,
+        &[(user, "c-1"), (b"alice", "phone")],
+        1,
+    ));
+    let mut pairs = 0;
+    for payload in &payloads {
+        let value = rmpv::decode::read_value(&mut payload.as_slice()).unwrap();
+        let errors: Vec<String> = validator
+            .iter_errors(&json_of(&value))
+            .map(|e| e.to_string())
+            .collect();
+        assert!(errors.is_empty(), "{errors:?}");
+        let Some(Eviction::ConnectionsEvicted { connections, .. }) =
+            evictions::decode("connections.evicted", payload)
+        else {
+            panic!("does not decode")
+        };
+        pairs += connections.len();
+    }
+    assert_eq!(pairs, 1_201 + 2);
+}
