@@ -60,13 +60,7 @@ fn example(python: &str, f: &Fixture) -> Command {
     cmd.arg(SCRIPT)
         .args(["--redis-url", &f.redis.url()])
         .args(["--key-prefix", &f.settings.key_prefix])
-        .args([
-            "--layout",
-            match f.settings.layout {
-                Layout::Hash => "hash",
-                Layout::Keys => "keys",
-            },
-        ])
+        .args(["--layout", f.settings.layout.as_str()])
         .stdin(Stdio::null())
         .kill_on_drop(true);
     cmd

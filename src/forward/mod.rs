@@ -117,8 +117,8 @@ impl redis::FromRedisValue for NodeReply {
 
 /// Check-and-delete of `users`' forward entries that still name `server`. Kept are
 /// entries that name another server now. Works on one node and on a cluster: one call
-/// for layout `hash` (its entries share the `registry` key); layout `conns`, one script
-/// per slot of the users' Hashes (members `<connection> <user>`); for layout `keys` on a
+/// for layout `hash` (its entries share the `registry` key); for layouts `keys` and
+/// `conns` (members `<connection> <user>`, the entry a field of the user's Hash) on a
 /// cluster, one script per master (`check_delete_node.lua`, the users grouped by the
 /// master that serves their slot), and one per slot (`check_delete.lua`) for the users
 /// whose slot is moving or whose node did not answer.
@@ -132,8 +132,8 @@ pub async fn check_delete(
     if users.is_empty() {
         return Ok(Checked::default());
     }
-    if layout == Layout::Keys && conn.is_cluster() {
-        return check_delete_by_node(conn, keys, server, users).await;
+    if layout != Layout::Hash && conn.is_cluster() {
+        return check_delete_by_node(conn, keys, layout, server, users).await;
     }
     check_delete_by_slot(conn, keys, layout, server, users.iter().collect()).await
 }
@@ -143,7 +143,7 @@ static CHECK_DELETE_NODE: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(CHECK_DELETE_NODE_CODE));
 const CHECK_DELETE_NODE_CODE: &str = include_str!("check_delete_node.lua");
 
-/// Layout `keys` on a cluster: the users grouped by the master that serves their slot
+/// Layouts `keys` and `conns` on a cluster: the users (members) grouped by the master that serves their slot
 /// (by this process's slot map), one `check_delete_node.lua` per master, all at once.
 /// The users that a master did not serve (a slot moved or moving: its script reports
 /// them), or of a master whose script failed (a failover, a node not connected), go
@@ -152,6 +152,7 @@ const CHECK_DELETE_NODE_CODE: &str = include_str!("check_delete_node.lua");
 async fn check_delete_by_node(
     conn: &RedisConn,
     keys: &Keys,
+    layout: Layout,
     server: &ServerId,
     users: &[Vec<u8>],
 ) -> Result<Checked> {
@@ -164,18 +165,30 @@ async fn check_delete_by_node(
         }
     };
     let Some(owners) = owners else {
-        return check_delete_by_slot(conn, keys, Layout::Keys, server, users.iter().collect())
-            .await;
+        return check_delete_by_slot(conn, keys, layout, server, users.iter().collect()).await;
     };
-    let (groups, mut elsewhere) = by_master(&owners, keys, users);
+    checked.absent_users.extend(
+        users
+            .iter()
+            .filter(|u| keys.forward_of_member(layout, u).is_none())
+            .cloned(),
+    );
+    let (groups, mut elsewhere) = by_master(&owners, keys, layout, users);
     let mut in_flight = FuturesUnordered::new();
     for (slot, users) in groups {
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg(CHECK_DELETE_NODE.get_hash())
             .arg(0)
-            .arg(server.as_str());
+            .arg(server.as_str())
+            .arg(layout.as_str());
         for u in &users {
-            cmd.arg(keys.user(u));
+            // by_master grouped only members that have a forward key.
+            if let Some((key, field)) = keys.forward_of_member(layout, u) {
+                cmd.arg(key);
+                if let Some(field) = field {
+                    cmd.arg(field);
+                }
+            }
         }
         in_flight.push(async move { (on_node(conn, slot, cmd).await, users) });
     }
@@ -202,7 +215,7 @@ async fn check_delete_by_node(
         );
         checked.rechecked += elsewhere.len() as u64;
         conn.forget_slot_owners();
-        let more = check_delete_by_slot(conn, keys, Layout::Keys, server, elsewhere).await?;
+        let more = check_delete_by_slot(conn, keys, layout, server, elsewhere).await?;
         checked.merge(more);
     }
     Ok(checked)
@@ -217,13 +230,19 @@ type Group<'u> = (u16, Vec<&'u Vec<u8>>);
 fn by_master<'u>(
     owners: &crate::conn::SlotOwners,
     keys: &Keys,
+    layout: Layout,
     users: &'u [Vec<u8>],
 ) -> (Vec<Group<'u>>, Vec<&'u Vec<u8>>) {
     let mut groups: Vec<Option<Group>> = Vec::new();
     groups.resize_with(owners.masters(), || None);
     let mut elsewhere = Vec::new();
     for u in users {
-        let slot = crate::conn::key_slot(&keys.user(u));
+        // A member with no forward key (layout conns, no `<connection> <user>`) has no
+        // entry: the caller left it out.
+        let Some((key, _)) = keys.forward_of_member(layout, u) else {
+            continue;
+        };
+        let slot = crate::conn::key_slot(&key);
         match owners.master_of(slot) {
             Some(m) => groups[m as usize]
                 .get_or_insert_with(|| (slot, Vec::new()))

@@ -104,6 +104,16 @@ pub fn as_entry(layout: Layout, user: &[u8]) -> Vec<u8> {
     }
 }
 
+/// The plain write of `entry`'s forward entry naming `owner` (HSET registry, SET
+/// user:<user>, or HSET of the connection's field in layout `conns`).
+pub fn forward_write(keys: &Keys, layout: Layout, entry: &[u8], owner: &str) -> redis::Cmd {
+    match keys.forward_of_member(layout, entry) {
+        Some((key, Some(field))) => redis::cmd("HSET").arg(key).arg(field).arg(owner).to_owned(),
+        Some((key, None)) => redis::cmd("SET").arg(key).arg(owner).to_owned(),
+        None => panic!("{entry:?} is no entry of layout {layout:?}"),
+    }
+}
+
 /// What almost every test starts with: a private Redis, settings under a fresh prefix,
 /// a connection, the key names and the registry. Fields drop in order: Redis last.
 pub struct Fixture {
