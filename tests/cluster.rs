@@ -1275,3 +1275,94 @@ async fn route_lua_is_refused_on_a_cluster_whatever_the_owner() {
         "{message}"
     );
 }
+
+/// Layout conns on a cluster: a user with three connections on three servers; one server
+/// dies: its connection goes, the two others stay and route (route_user in single-slot
+/// steps); a user whose every connection was on it has no key left; a chunk is one
+/// check-and-delete script per master; a fenced server's register_connection writes
+/// nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_on_a_cluster() {
+    use registry_janitor::{error::Error, fence};
+    let Some(f) = ClusterFixture::start(3, 0, Layout::Conns, 1000).await else {
+        return;
+    };
+    let (a, b, dead) = (server("gw-a#1"), server("gw-b#1"), server("gw-dead#1"));
+    for s in [&a, &b, &dead] {
+        f.registry.heartbeat(&f.conn, s, 60_000).await.unwrap();
+    }
+    let r = &f.registry;
+    for (connection, s) in [("phone", &a), ("laptop", &b), ("tab", &dead)] {
+        r.register_connection(&f.conn, b"alice", connection, s)
+            .await
+            .unwrap();
+    }
+    seed(r, &f.conn, &dead, 1_000).await;
+    assert_eq!(
+        r.route_user(&f.conn, b"alice").await.unwrap(),
+        vec!["gw-a#1", "gw-b#1", "gw-dead#1"]
+    );
+    for i in masters(&f.cluster) {
+        let client = redis::Client::open(f.cluster.nodes[i].url()).unwrap();
+        let _: () = redis::cmd("CONFIG")
+            .arg("RESETSTAT")
+            .query(&mut client.get_connection().unwrap())
+            .unwrap();
+    }
+    let ids: Vec<Vec<u8>> = (0..1_000).map(|n| entry(Layout::Conns, &dead, n)).collect();
+    let checked =
+        registry_janitor::forward::check_delete(&f.conn, &f.keys, Layout::Conns, &dead, &ids)
+            .await
+            .unwrap();
+    assert!(evalsha_calls(&f.cluster) <= 3, "one script per master");
+    assert_eq!(checked.deleted, 1_000);
+    let worker = spawn_worker(&f.settings);
+    kill(&f.conn, &f.keys, &dead).await;
+    f.wait_idle(Duration::from_secs(60)).await;
+    worker.stop().await;
+    assert_eq!(
+        r.connections(&f.conn, b"alice").await.unwrap(),
+        vec![
+            ("laptop".to_owned(), "gw-b#1".to_owned()),
+            ("phone".to_owned(), "gw-a#1".to_owned()),
+        ]
+    );
+    assert_eq!(
+        r.route_user(&f.conn, b"alice").await.unwrap(),
+        vec!["gw-a#1", "gw-b#1"]
+    );
+    for n in [0, 999] {
+        let exists: i64 = redis::cmd("EXISTS")
+            .arg(f.keys.user_conns(&user(&dead, n)))
+            .query_async(&mut f.conn.clone())
+            .await
+            .unwrap();
+        assert_eq!(exists, 0, "an empty user Hash is left");
+    }
+    let (announced, _) = evictions_of(&f.conn, &f.keys).await;
+    assert!(announced
+        .iter()
+        .any(|(s, m)| s == dead.as_str() && m == b"tab alice"));
+    // Fenced (the verdict stands): refused, nothing written, alice's entries untouched.
+    assert!(fence::is_fenced(&f.conn, &f.keys, &dead).await.unwrap());
+    let refused = r
+        .register_connection(&f.conn, b"alice", "phone", &dead)
+        .await;
+    assert!(matches!(refused, Err(Error::Fenced { .. })), "{refused:?}");
+    assert_eq!(
+        r.route_user(&f.conn, b"alice").await.unwrap(),
+        vec!["gw-a#1", "gw-b#1"]
+    );
+    r.unregister_connection(&f.conn, b"alice", "phone", &a)
+        .await
+        .unwrap();
+    r.unregister_connection(&f.conn, b"alice", "laptop", &b)
+        .await
+        .unwrap();
+    let exists: i64 = redis::cmd("EXISTS")
+        .arg(f.keys.user_conns(b"alice"))
+        .query_async(&mut f.conn.clone())
+        .await
+        .unwrap();
+    assert_eq!(exists, 0);
+}
