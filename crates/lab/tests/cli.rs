@@ -33,7 +33,11 @@ fn the_demo_verifies_its_run_on_a_node_and_on_a_local_cluster() {
         (Layout::Conns, false),
     ];
     if RedisCluster::supported() {
-        runs.extend([(Layout::Hash, true), (Layout::Keys, true), (Layout::Conns, true)]);
+        runs.extend([
+            (Layout::Hash, true),
+            (Layout::Keys, true),
+            (Layout::Conns, true),
+        ]);
     } else {
         eprintln!("redis-server cannot run a local cluster here: the demo runs on one node only");
     }
