@@ -314,7 +314,7 @@ const CONSUMER: &str = concat!(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_evictions_consumer_keeps_presence_in_step() {
     let Some(python) = python() else { return };
-    for layout in [Layout::Hash, Layout::Keys] {
+    for layout in [Layout::Hash, Layout::Keys, Layout::Conns] {
         let f = Fixture::new(layout);
         let (dead, live) = (server("gw-dead#1"), server("gw-live#1"));
         const USERS: usize = 2_500;
@@ -340,8 +340,9 @@ async fn the_evictions_consumer_keeps_presence_in_step() {
         f.wait_idle().await;
         worker.stop().await;
         // One user comes back after the eviction: the consumer must leave them online.
+        // (Layout conns: the user's connection `c3` comes back, on the live server.)
         let back = user(&dead, 3);
-        f.reconnect(&back, &live).await;
+        f.reconnect(&entry(layout, &dead, 3), &live).await;
 
         let run = || {
             let mut cmd = std::process::Command::new(&python);
