@@ -125,6 +125,16 @@ impl Registry {
         }
     }
 
+    /// Layout `conns`: `user` must be a member `<connection id> <user id>` with a valid
+    /// connection id; other layouts take any user id.
+    fn check_entry(&self, user: &[u8]) -> Result<()> {
+        if self.layout == Layout::Conns {
+            let (connection, _) = conns::member_parts(user)?;
+            validate_connection_id(connection)?;
+        }
+        Ok(())
+    }
+
     /// The plain write of `user`'s forward entry naming `server` (HSET or SET; layout
     /// `conns`: `user` is a member, HSET of its connection's field).
     fn forward_write(&self, user: &[u8], server: &ServerId) -> redis::Cmd {
@@ -169,7 +179,8 @@ impl Registry {
     }
 
     /// Adds the commands that register `user` on `server` to `pipe` (for bulk loads; the
-    /// plain writes, without a fence check).
+    /// plain writes, without a fence check). Layout `conns`: `user` must be a member
+    /// `<connection id> <user id>` ([`Registry::register_many`] checks).
     pub fn add_register(&self, pipe: &mut redis::Pipeline, user: &[u8], server: &ServerId) {
         pipe.add_command(self.forward_write(user, server))
             .ignore()
@@ -227,6 +238,7 @@ impl Registry {
         user: &[u8],
         server: &ServerId,
     ) -> Result<()> {
+        self.check_entry(user)?;
         let mut reverse = redis::cmd("SADD");
         reverse.arg(self.keys.server_users(server)).arg(user);
         // Forward entry first: the order that matters on a cluster (see the module docs).
@@ -247,6 +259,9 @@ impl Registry {
         batch: usize,
     ) -> Result<()> {
         let users: Vec<&[u8]> = users.into_iter().collect();
+        for user in &users {
+            self.check_entry(user)?;
+        }
         for chunk in users.chunks(batch.max(1)) {
             if conn.is_cluster() {
                 self.register_chunk_on_cluster(conn, chunk, server).await?;
