@@ -143,8 +143,9 @@ static CHECK_DELETE_NODE: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(CHECK_DELETE_NODE_CODE));
 const CHECK_DELETE_NODE_CODE: &str = include_str!("check_delete_node.lua");
 
-/// Layouts `keys` and `conns` on a cluster: the users (members) grouped by the master that serves their slot
-/// (by this process's slot map), one `check_delete_node.lua` per master, all at once.
+/// Layouts `keys` and `conns` on a cluster: the users (members) grouped by the master
+/// that serves their slot (by this process's slot map), one `check_delete_node.lua` per
+/// master, all at once.
 /// The users that a master did not serve (a slot moved or moving: its script reports
 /// them), or of a master whose script failed (a failover, a node not connected), go
 /// through the per-slot scripts, which redis-rs routes and redirects; the slot map is
