@@ -5,12 +5,39 @@ local BATCH = 1000
 
 -- Layout `conns`: a reverse-set member is `<connection id> <user id>` (split at the first
 -- space: a connection id has none), and the forward entry is field <connection id> of the
--- user's Hash `<key_prefix>user:{<user id>}:conns`. Returns the connection id and the
--- Hash's name, or nil for a member without a space (not one of this layout).
+-- user's Hash `<key_prefix>user:{<user id>}:conns`. A member is split once per script
+-- (the check, the delete and the announcement each need its parts), its parts kept in
+-- flat tables by member: no table per member.
+local CONN_ID, CONN_USER, CONN_KEY = {}, {}, {}
+
+-- The connection id and the user id of `member`, or nil for a member without a space
+-- (not one of this layout).
+local function conn_parts(member)
+  local connection = CONN_ID[member]
+  if connection == nil then
+    local at = string.find(member, ' ', 1, true)
+    if at and at > 1 then
+      connection = string.sub(member, 1, at - 1)
+      CONN_USER[member] = string.sub(member, at + 1)
+    else
+      connection = false
+    end
+    CONN_ID[member] = connection
+  end
+  if connection then return connection, CONN_USER[member] end
+end
+
+-- The connection id and the user's Hash of `member` (`user_prefix` is the same for every
+-- call of a script), or nil.
 local function conn_entry(member, user_prefix)
-  local at = string.find(member, ' ', 1, true)
-  if not at or at == 1 then return nil end
-  return string.sub(member, 1, at - 1), user_prefix .. '{' .. string.sub(member, at + 1) .. '}:conns'
+  local connection, user = conn_parts(member)
+  if not connection then return nil end
+  local key = CONN_KEY[member]
+  if not key then
+    key = user_prefix .. '{' .. user .. '}:conns'
+    CONN_KEY[member] = key
+  end
+  return connection, key
 end
 
 -- The forward entries (owner server ids, false where none) of members[first..last].
