@@ -12,6 +12,14 @@ EVAL as the fallback) and wraps them in a small class:
     route(r, b"alice")              # -> "gw-7#1732181000123", or None
     server.unregister(b"alice")     # a clean disconnect
 
+Layout conns (a user with several connections, docs/connections.md): the same class with
+`layout="conns"` takes a connection id too, and `route_user` returns every live server:
+
+    server = ConnectionServer(r, "gw-7#1732181000123", layout="conns")
+    server.register(b"alice", "phone-1")
+    route_user(r, b"alice")         # -> ["gw-7#1732181000123", ...], the live ones
+    server.unregister(b"alice", "phone-1")
+
 Fencing: once the janitor takes `server.dead` for a server id, every register, heartbeat
 and unregister of that id is refused with the Redis error FENCED, raised here as
 `Fenced`. Wherever it comes from, the answer is the same (see `run`): close every socket
@@ -35,9 +43,9 @@ slots, so no one script call can hold both; the Lua headers say what to do inste
     `fenced` and `alive` keys (one slot); the owner only if not fenced and alive.
 
 Command line (Python 3.11, `pip install 'redis>=5,<7'`):
-    connection_server.py [--redis-url URL] [--key-prefix P] [--layout hash|keys] \\
+    connection_server.py [--redis-url URL] [--key-prefix P] [--layout hash|keys|conns] \\
         run --server-id gw-7 --users 3 [--heartbeat-ms 1000] [--until-fenced]
-    connection_server.py route u0@gw-7
+    connection_server.py route u0@gw-7      (layout conns: every live server, or `none`)
 """
 
 import argparse
@@ -53,7 +61,10 @@ import redis
 PROTOCOL = Path(__file__).resolve().parent.parent / "protocol"
 LUA = {
     name: (PROTOCOL / f"{name}.lua").read_text()
-    for name in ("register", "heartbeat", "unregister", "route")
+    for name in (
+        "register", "heartbeat", "unregister", "route",
+        "register_conn", "unregister_conn", "route_user",
+    )
 }
 
 # 1 to 200 bytes of printable ASCII, no whitespace, no braces (they are a cluster hash tag).
@@ -75,8 +86,11 @@ def now_ms() -> int:
 
 
 def forward_key(user: bytes, layout: str = "hash", key_prefix: str = "") -> bytes:
-    """The key of a user's forward entry: the `registry` Hash, or `user:<user>`."""
+    """The key of a user's forward entry: the `registry` Hash, `user:<user>`, or (layout
+    conns) the user's connections `user:{<user>}:conns`."""
     prefix = key_prefix.encode()
+    if layout == "conns":
+        return prefix + b"user:{" + user + b"}:conns"
     return prefix + b"registry" if layout == "hash" else prefix + b"user:" + user
 
 
@@ -88,6 +102,14 @@ def route(
     script = redis_client.register_script(LUA["route"])
     owner = script(keys=[forward_key(user, layout, key_prefix)], args=[user, layout, key_prefix])
     return owner.decode() if owner is not None else None
+
+
+def route_user(redis_client: redis.Redis, user: bytes, key_prefix: str = "") -> list[str]:
+    """Layout conns: the servers of every live connection of `user` (none fenced or past
+    its liveness), each once, sorted; empty if none."""
+    script = redis_client.register_script(LUA["route_user"])
+    servers = script(keys=[forward_key(user, "conns", key_prefix)], args=[key_prefix])
+    return [s.decode() for s in servers]
 
 
 def new_incarnation(server_id: str) -> str:
@@ -106,8 +128,8 @@ class ConnectionServer:
     ):
         if not SERVER_ID.fullmatch(server_id):
             raise ValueError(f"invalid server id {server_id!r}")
-        if layout not in ("hash", "keys"):
-            raise ValueError(f"layout must be hash or keys, not {layout!r}")
+        if layout not in ("hash", "keys", "conns"):
+            raise ValueError(f"layout must be hash, keys or conns, not {layout!r}")
         self.redis, self.server_id = redis_client, server_id
         self.layout, self.key_prefix = layout, key_prefix
         self._scripts = {name: redis_client.register_script(text) for name, text in LUA.items()}
@@ -133,12 +155,20 @@ class ConnectionServer:
         keys = [self._key("fenced"), self._key("refused"), self._key("alive"), f"{self.key_prefix}servers"]
         self._call("heartbeat", keys, [self.server_id, ttl_ms, now_ms()])
 
-    def register(self, user: bytes) -> None:
-        """A user connected: the forward entry names this server, the user joins its set."""
+    def register(self, user: bytes, connection: str | None = None) -> None:
+        """A user connected: the forward entry names this server, the user joins its set.
+        Layout conns: connection `connection` of the user (register_conn.lua)."""
+        if self.layout == "conns":
+            self._call("register_conn", self._user_keys(user), [user, self.server_id, connection])
+            return
         self._call("register", self._user_keys(user), [user, self.server_id, self.layout])
 
-    def unregister(self, user: bytes) -> None:
-        """A clean disconnect: the forward entry goes if it still names this server."""
+    def unregister(self, user: bytes, connection: str | None = None) -> None:
+        """A clean disconnect: the forward entry goes if it still names this server.
+        Layout conns: connection `connection` of the user (unregister_conn.lua)."""
+        if self.layout == "conns":
+            self._call("unregister_conn", self._user_keys(user), [user, self.server_id, connection])
+            return
         self._call("unregister", self._user_keys(user), [user, self.server_id, self.layout])
 
     def route(self, user: bytes) -> str | None:
@@ -161,16 +191,17 @@ def emit(**fields) -> None:
 
 
 def run(r: redis.Redis, args: argparse.Namespace) -> int:
-    """Heartbeats, connects `--users` simulated users (u<n>@<server id>) and disconnects
-    the last `--disconnect` of them, then heartbeats every `--heartbeat-ms` until fenced."""
+    """Heartbeats, connects `--users` simulated users (u<n>@<server id>; layout conns:
+    each with its connection c<n>) and disconnects the last `--disconnect` of them, then
+    heartbeats every `--heartbeat-ms` until fenced."""
     ttl_ms = args.ttl_ms or 3 * args.heartbeat_ms
     server = ConnectionServer(r, args.server_id, args.layout, args.key_prefix)
     server.heartbeat(ttl_ms)  # liveness first: the janitor must see the server before its users
-    users = [f"u{n}@{server.server_id}".encode() for n in range(args.users)]
-    for user in users:
-        server.register(user)
-    for user in users[len(users) - args.disconnect:]:
-        server.unregister(user)
+    users = [(f"u{n}@{server.server_id}".encode(), f"c{n}") for n in range(args.users)]
+    for user, connection in users:
+        server.register(user, connection)
+    for user, connection in users[len(users) - args.disconnect:]:
+        server.unregister(user, connection)
     emit(event="ready", server_id=server.server_id, users=len(users), disconnected=args.disconnect)
     while True:
         time.sleep(args.heartbeat_ms / 1000)
@@ -201,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379")
     parser.add_argument("--key-prefix", default="")
-    parser.add_argument("--layout", choices=("hash", "keys"), default="hash")
+    parser.add_argument("--layout", choices=("hash", "keys", "conns"), default="hash")
     commands = parser.add_subparsers(dest="command", required=True)
     run_cmd = commands.add_parser("run", help="play one connection server until stopped")
     run_cmd.add_argument("--server-id", required=True, help="e.g. gw-7#1732181000123")
@@ -217,7 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     r = redis.Redis.from_url(args.redis_url)
     if args.command == "route":
-        print(route(r, os.fsencode(args.user), args.layout, args.key_prefix) or "none")
+        if args.layout == "conns":
+            print(" ".join(route_user(r, os.fsencode(args.user), args.key_prefix)) or "none")
+        else:
+            print(route(r, os.fsencode(args.user), args.layout, args.key_prefix) or "none")
         return 0
     if not 0 <= args.disconnect <= args.users:
         parser.error("--disconnect must be between 0 and --users")

@@ -15,11 +15,16 @@ For each evicted user it removes the user from `presence:online` and from the me
 of each of their rooms, then forgets their room list. Handling is idempotent (removing
 twice does nothing), so redeliveries and the cluster's at-least-once are harmless. A user
 whose registry entry exists again (they reconnected after the eviction) is skipped: the
-eviction is older than their new session. An entry is acknowledged (XACK) only once
+eviction is older than their new session.
+
+Layout conns (a user with several connections): the entries are `connections.evicted`,
+naming (user, connection) pairs (schemas/connections-evicted.schema.json). A user leaves
+presence only once no connection is left (their Hash `user:{<user>}:conns` is gone): the
+loss of one device of several changes nothing here. An entry is acknowledged (XACK) only once
 handled; entries a crashed consumer left pending are taken over with XAUTOCLAIM.
 
 Command line (Python 3.11, `pip install 'redis>=5,<7' 'msgpack>=1,<2'`):
-    evictions_consumer.py [--redis-url URL] [--key-prefix P] [--layout hash|keys]
+    evictions_consumer.py [--redis-url URL] [--key-prefix P] [--layout hash|keys|conns]
         [--stream registry:evictions] [--group presence] [--consumer NAME] [--once]
 `--once` handles what is there and exits (printing a JSON summary); otherwise it runs until
 interrupted.
@@ -54,6 +59,10 @@ class PresenceConsumer:
                 raise
 
     def owner(self, user: bytes):
+        if self.layout == "conns":
+            # Any connection left: the user is still online somewhere.
+            key = self.prefix.encode() + b"user:{" + user + b"}:conns"
+            return self.r.exists(key) or None
         if self.layout == "hash":
             return self.r.hget(self.prefix + "registry", user)
         return self.r.get(self.prefix.encode() + b"user:" + user)
@@ -75,11 +84,15 @@ class PresenceConsumer:
 
     def handle(self, entry_id, fields):
         kind = fields.get(b"type", b"").decode()
-        if kind in ("users.evicted", "server.cleaned"):
+        if kind in ("users.evicted", "connections.evicted", "server.cleaned"):
             payload = msgpack.unpackb(fields[b"payload"], raw=False)
             if kind == "users.evicted":
                 for user in payload["users"]:
                     self.evict(bytes(user))
+            elif kind == "connections.evicted":
+                # Each user once per entry, however many of their connections it names.
+                for user in dict.fromkeys(bytes(u) for u, _connection in payload["connections"]):
+                    self.evict(user)
             else:
                 self.summary["cleaned"] += 1
                 log.info("server %s clean: %s deleted, %s kept", payload["server_id"],
@@ -110,7 +123,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379"))
     p.add_argument("--key-prefix", default="")
-    p.add_argument("--layout", choices=("hash", "keys"), default="hash")
+    p.add_argument("--layout", choices=("hash", "keys", "conns"), default="hash")
     p.add_argument("--stream", default="registry:evictions")
     p.add_argument("--group", default="presence")
     p.add_argument("--consumer", default=f"{socket.gethostname()}-{os.getpid()}")

@@ -7,6 +7,7 @@
 //! |----------------------------|--------|-----------------------------------------|
 //! | `registry`                 | Hash   | connection servers (layout `hash`)      |
 //! | `user:<user>`              | String | connection servers (layout `keys`)      |
+//! | `user:{<user>}:conns`      | Hash   | connection servers (layout `conns`)     |
 //! | `server:{<server>}:users`  | Set    | connection servers (reverse index)      |
 //! | `server:{<server>}:alive`  | String | connection servers (liveness, with TTL) |
 //! | `servers`                  | ZSet   | connection servers (last heartbeat)     |
@@ -127,6 +128,43 @@ impl Keys {
         let mut key = self.user_key_prefix().into_bytes();
         key.extend_from_slice(user);
         key
+    }
+
+    /// The forward Hash of one user in layout `conns`: field = connection id, value =
+    /// server id. The user id is the hash tag, so that it is one slot on a cluster.
+    pub fn user_conns(&self, user: &[u8]) -> Vec<u8> {
+        let mut key = self.user_key_prefix().into_bytes();
+        key.push(b'{');
+        key.extend_from_slice(user);
+        key.extend_from_slice(b"}:conns");
+        key
+    }
+
+    /// A SCAN MATCH pattern of every user's Hash of layout `conns`.
+    pub fn user_conns_pattern(&self) -> String {
+        let mut pattern = pattern_under(&format!("{}{{", self.user_key_prefix()));
+        pattern.push_str("}:conns");
+        pattern
+    }
+
+    /// The forward key of the reverse-set member `member` in `layout`, with the Hash
+    /// field that holds the entry (`registry` and the user, `user:<user>` and none, or
+    /// the user's connections Hash and the connection id). `None` for a `conns` member
+    /// that is not `<connection id> <user id>`.
+    pub fn forward_of_member(
+        &self,
+        layout: crate::config::Layout,
+        member: &[u8],
+    ) -> Option<(Vec<u8>, Option<Vec<u8>>)> {
+        use crate::config::Layout;
+        match layout {
+            Layout::Hash => Some((self.registry().into_bytes(), Some(member.to_vec()))),
+            Layout::Keys => Some((self.user(member), None)),
+            Layout::Conns => {
+                let (connection, user) = split_conn_member(member)?;
+                Some((self.user_conns(user), Some(connection.to_vec())))
+            }
+        }
     }
 
     /// The reverse index of a server: the Set of its users.
@@ -261,6 +299,22 @@ impl Keys {
     }
 }
 
+/// The reverse-set member of a connection in layout `conns`: `<connection id> <user id>`.
+pub fn conn_member(connection: &str, user: &[u8]) -> Vec<u8> {
+    let mut member = Vec::with_capacity(connection.len() + 1 + user.len());
+    member.extend_from_slice(connection.as_bytes());
+    member.push(b' ');
+    member.extend_from_slice(user);
+    member
+}
+
+/// A member of layout `conns` split at its first space: (connection id, user id).
+/// `None` without a space, or with an empty connection id.
+pub fn split_conn_member(member: &[u8]) -> Option<(&[u8], &[u8])> {
+    let at = member.iter().position(|&b| b == b' ')?;
+    (at > 0).then(|| (&member[..at], &member[at + 1..]))
+}
+
 /// A SCAN MATCH pattern for every key that starts with `prefix` (glob characters in the
 /// prefix escaped).
 pub fn pattern_under(prefix: &str) -> String {
@@ -285,6 +339,15 @@ mod tests {
         let s = ServerId::parse("gw-7#1732181000123").unwrap();
         assert_eq!(k.registry(), "t:registry");
         assert_eq!(k.user(b"u\xff1"), b"t:user:u\xff1".to_vec());
+        assert_eq!(k.user_conns(b"u\xff1"), b"t:user:{u\xff1}:conns".to_vec());
+        assert_eq!(k.user_conns_pattern(), "t:user:{*}:conns");
+        assert_eq!(conn_member("c-1", b"u 2"), b"c-1 u 2".to_vec());
+        assert_eq!(
+            split_conn_member(b"c-1 u 2"),
+            Some((&b"c-1"[..], &b"u 2"[..]))
+        );
+        assert_eq!(split_conn_member(b" u"), None);
+        assert_eq!(split_conn_member(b"u"), None);
         assert_eq!(k.server_users(&s), "t:server:{gw-7#1732181000123}:users");
         assert_eq!(k.server_alive(&s), "t:server:{gw-7#1732181000123}:alive");
         assert_eq!(k.servers(), "t:servers");

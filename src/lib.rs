@@ -53,8 +53,8 @@
 //!   `census.rs`, how a hold ends in `ending.rs`).
 //! - [`maintenance`]: stream retention and removal of gone consumers.
 //! - [`registry`]: the connection-server side (register, unregister, heartbeat; route
-//!   and the reads in `route.rs`), used by connection servers in Rust, the demo and the
-//!   tests.
+//!   and the reads in `route.rs`; layout `conns`, a user with several connections, in
+//!   `conns.rs`), used by connection servers in Rust, the demo and the tests.
 //! - [`dead_letters`]: listing, replaying and purging dead letters; [`status`]: what
 //!   `status` reports.
 //! - `receiver`: the Alertmanager webhook receiver (`alert-receiver`): one
@@ -62,7 +62,8 @@
 //!   an alert becomes; `publish.rs`: the once-only publish script; `credentials.rs`:
 //!   its bearer token and TLS certificate).
 //! - `protocol/*.lua` (outside `src/`): the connection-server protocol as scripts
-//!   (register, heartbeat, unregister, release, route), which [`registry`] runs.
+//!   (register, heartbeat, unregister, release, route; register_conn, unregister_conn
+//!   and route_user for layout `conns`), which [`registry`] runs.
 //! - `health`: liveness and readiness, shared by the worker and the reconciler;
 //!   `http`: the /metrics, /healthz and /readyz listener.
 //! - [`conn`] (one node, a cluster or Sentinel; `conn/cluster.rs`: masters, node

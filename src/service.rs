@@ -34,7 +34,7 @@ pub struct SettingsFlags {
     /// Setting `key_prefix`.
     #[arg(long, global = true)]
     key_prefix: Option<String>,
-    /// Setting `layout`: hash or keys.
+    /// Setting `layout`: hash, keys or conns.
     #[arg(long, global = true)]
     layout: Option<String>,
     /// Setting `chunk_size`.

@@ -87,7 +87,7 @@ async fn cleans_dead_servers_on_a_cluster(layout: Layout) {
         seed(&f.registry, &f.conn, s, 2_000).await;
     }
     f.registry
-        .register(&f.conn, &user(&a, 7), &live)
+        .register(&f.conn, &entry(layout, &a, 7), &live)
         .await
         .unwrap();
     let worker = spawn_worker(&f.settings);
@@ -99,7 +99,7 @@ async fn cleans_dead_servers_on_a_cluster(layout: Layout) {
     assert_eq!(f.still_pointing(&live, 2_000).await, 2_000);
     assert_eq!(
         f.registry
-            .owner(&f.conn, &user(&a, 7))
+            .owner(&f.conn, &entry(layout, &a, 7))
             .await
             .unwrap()
             .as_deref(),
@@ -129,12 +129,12 @@ async fn cleans_dead_servers_on_a_cluster(layout: Layout) {
     for (s, range) in [(&a, 0..2_000), (&b, 0..2_000)] {
         for n in range.filter(|n| (s, *n) != (&a, 7)) {
             assert!(
-                announced.contains(&(s.as_str().to_owned(), user(s, n))),
+                announced.contains(&(s.as_str().to_owned(), entry(layout, s, n))),
                 "{s}: user {n} deleted and never announced"
             );
         }
     }
-    assert!(!announced.contains(&(a.as_str().to_owned(), user(&a, 7))));
+    assert!(!announced.contains(&(a.as_str().to_owned(), entry(layout, &a, 7))));
     assert!(announced.iter().all(|(s, _)| s != live.as_str()));
     assert_eq!(cleaned.len(), 2, "{cleaned:?}");
     worker.settled().await;
@@ -152,6 +152,11 @@ async fn cleans_dead_servers_on_a_cluster_hash_layout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cleans_dead_servers_on_a_cluster_keys_layout() {
     cleans_dead_servers_on_a_cluster(Layout::Keys).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cleans_dead_servers_on_a_cluster_conns_layout() {
+    cleans_dead_servers_on_a_cluster(Layout::Conns).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -432,24 +437,14 @@ async fn drift_is_repaired_on_a_cluster(layout: Layout) {
     let (live, ghost) = (server("gw-live#1"), server("gw-ghost#1"));
     seed(&f.registry, &f.conn, &live, 1_000).await;
     let mut c = f.conn.clone();
-    let entry = |user: &[u8], owner: &str| match layout {
-        Layout::Hash => redis::cmd("HSET")
-            .arg(f.keys.registry())
-            .arg(user)
-            .arg(owner)
-            .to_owned(),
-        Layout::Keys => redis::cmd("SET")
-            .arg(f.keys.user(user))
-            .arg(owner)
-            .to_owned(),
-    };
+    let write_entry = |user: &[u8], owner: &str| forward_write(&f.keys, layout, user, owner);
     for n in 0..500 {
-        let _: () = entry(&user(&ghost, n), ghost.as_str())
+        let _: () = write_entry(&entry(layout, &ghost, n), ghost.as_str())
             .query_async(&mut c)
             .await
             .unwrap();
     }
-    let _: () = entry(b"odd-user", "bad{owner}")
+    let _: () = write_entry(&as_entry(layout, b"odd-user"), "bad{owner}")
         .query_async(&mut c)
         .await
         .unwrap();
@@ -460,7 +455,7 @@ async fn drift_is_repaired_on_a_cluster(layout: Layout) {
     assert_eq!(f.still_pointing(&live, 1_000).await, 1_000);
     assert_eq!(
         f.registry
-            .owner(&f.conn, b"odd-user")
+            .owner(&f.conn, &as_entry(layout, b"odd-user"))
             .await
             .unwrap()
             .as_deref(),
@@ -480,6 +475,11 @@ async fn drift_is_repaired_on_a_cluster_keys_layout() {
     drift_is_repaired_on_a_cluster(Layout::Keys).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drift_is_repaired_on_a_cluster_conns_layout() {
+    drift_is_repaired_on_a_cluster(Layout::Conns).await;
+}
+
 /// The reverse-index part of the drift sweep on a cluster: members of a live server's set
 /// whose user moved elsewhere are set aside, then settled after the grace period (put
 /// back where a registration on that server was in flight, dropped otherwise); and a
@@ -497,7 +497,7 @@ async fn reverse_index_drift_is_repaired_on_a_cluster(layout: Layout) {
     // 300 users reconnect elsewhere; `home` misses their SREM.
     for n in 0..300 {
         f.registry
-            .register(&f.conn, &user(&home, n), &elsewhere)
+            .register(&f.conn, &entry(layout, &home, n), &elsewhere)
             .await
             .unwrap();
     }
@@ -519,18 +519,8 @@ async fn reverse_index_drift_is_repaired_on_a_cluster(layout: Layout) {
         let mut c = c.clone();
         let (keys, home) = (f.keys.clone(), home.clone());
         async move {
-            let u = user(&home, n);
-            let cmd = match layout {
-                Layout::Hash => redis::cmd("HSET")
-                    .arg(keys.registry())
-                    .arg(&u)
-                    .arg(home.as_str())
-                    .to_owned(),
-                Layout::Keys => redis::cmd("SET")
-                    .arg(keys.user(&u))
-                    .arg(home.as_str())
-                    .to_owned(),
-            };
+            let u = entry(layout, &home, n);
+            let cmd = forward_write(&keys, layout, &u, home.as_str());
             let _: () = cmd.query_async(&mut c).await.unwrap();
         }
     };
@@ -552,7 +542,7 @@ async fn reverse_index_drift_is_repaired_on_a_cluster(layout: Layout) {
     assert_eq!(count(users_key.clone(), "SCARD").await, 701);
     let back: bool = redis::cmd("SISMEMBER")
         .arg(&users_key)
-        .arg(user(&home, 0))
+        .arg(entry(layout, &home, 0))
         .query_async(&mut c.clone())
         .await
         .unwrap();
@@ -566,7 +556,7 @@ async fn reverse_index_drift_is_repaired_on_a_cluster(layout: Layout) {
     // settled. The cleanup takes the members set aside into its walk, in batches.
     for n in 300..700 {
         f.registry
-            .register(&f.conn, &user(&home, n), &elsewhere)
+            .register(&f.conn, &entry(layout, &home, n), &elsewhere)
             .await
             .unwrap();
     }
@@ -588,7 +578,7 @@ async fn reverse_index_drift_is_repaired_on_a_cluster(layout: Layout) {
     for n in (1..300).chain(310..700) {
         assert_eq!(
             f.registry
-                .owner(&f.conn, &user(&home, n))
+                .owner(&f.conn, &entry(layout, &home, n))
                 .await
                 .unwrap()
                 .as_deref(),
@@ -612,6 +602,11 @@ async fn reverse_index_drift_is_repaired_on_a_cluster_hash_layout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reverse_index_drift_is_repaired_on_a_cluster_keys_layout() {
     reverse_index_drift_is_repaired_on_a_cluster(Layout::Keys).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reverse_index_drift_is_repaired_on_a_cluster_conns_layout() {
+    reverse_index_drift_is_repaired_on_a_cluster(Layout::Conns).await;
 }
 
 /// Dead letters on a cluster: written (XADD, then XACK), listed, replayed (XADD, then
@@ -663,7 +658,16 @@ async fn dead_letters_are_written_and_replayed_on_a_cluster() {
 /// registration finished while the event was unacknowledged is gone once it is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn registrations_during_the_walk_are_cleaned_on_a_cluster() {
-    let Some(f) = ClusterFixture::start(3, 0, Layout::Keys, 10).await else {
+    registrations_during_the_walk_on_a_cluster(Layout::Keys).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registrations_during_the_walk_are_cleaned_on_a_cluster_conns_layout() {
+    registrations_during_the_walk_on_a_cluster(Layout::Conns).await;
+}
+
+async fn registrations_during_the_walk_on_a_cluster(layout: Layout) {
+    let Some(f) = ClusterFixture::start(3, 0, layout, 10).await else {
         return;
     };
     let (dead, live) = (server("gw-dead#1"), server("gw-live#1"));
@@ -863,7 +867,7 @@ async fn fencing_holds_on_a_cluster() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_register_on_a_cluster_leaves_a_live_servers_entry() {
     use registry_janitor::{error::Error, fence};
-    for layout in [Layout::Hash, Layout::Keys] {
+    for layout in [Layout::Hash, Layout::Keys, Layout::Conns] {
         let Some(f) = ClusterFixture::start(3, 0, layout, 10).await else {
             return;
         };
@@ -876,7 +880,7 @@ async fn a_refused_register_on_a_cluster_leaves_a_live_servers_entry() {
         fence::record(&f.conn, &f.keys, &fenced, None, 600_000)
             .await
             .unwrap();
-        let u = b"reconnected-user".to_vec();
+        let u = as_entry(layout, b"reconnected-user");
         f.registry.register(&f.conn, &u, &live).await.unwrap();
         // A late write of the zombie for the same user (e.g. a retried connect).
         let refused = f.registry.register(&f.conn, &u, &fenced).await;
@@ -1270,4 +1274,95 @@ async fn route_lua_is_refused_on_a_cluster_whatever_the_owner() {
         message.contains("no-cluster") && message.contains("redis_cluster"),
         "{message}"
     );
+}
+
+/// Layout conns on a cluster: a user with three connections on three servers; one server
+/// dies: its connection goes, the two others stay and route (route_user in single-slot
+/// steps); a user whose every connection was on it has no key left; a chunk is one
+/// check-and-delete script per master; a fenced server's register_connection writes
+/// nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_on_a_cluster() {
+    use registry_janitor::{error::Error, fence};
+    let Some(f) = ClusterFixture::start(3, 0, Layout::Conns, 1000).await else {
+        return;
+    };
+    let (a, b, dead) = (server("gw-a#1"), server("gw-b#1"), server("gw-dead#1"));
+    for s in [&a, &b, &dead] {
+        f.registry.heartbeat(&f.conn, s, 60_000).await.unwrap();
+    }
+    let r = &f.registry;
+    for (connection, s) in [("phone", &a), ("laptop", &b), ("tab", &dead)] {
+        r.register_connection(&f.conn, b"alice", connection, s)
+            .await
+            .unwrap();
+    }
+    seed(r, &f.conn, &dead, 1_000).await;
+    assert_eq!(
+        r.route_user(&f.conn, b"alice").await.unwrap(),
+        vec!["gw-a#1", "gw-b#1", "gw-dead#1"]
+    );
+    for i in masters(&f.cluster) {
+        let client = redis::Client::open(f.cluster.nodes[i].url()).unwrap();
+        let _: () = redis::cmd("CONFIG")
+            .arg("RESETSTAT")
+            .query(&mut client.get_connection().unwrap())
+            .unwrap();
+    }
+    let ids: Vec<Vec<u8>> = (0..1_000).map(|n| entry(Layout::Conns, &dead, n)).collect();
+    let checked =
+        registry_janitor::forward::check_delete(&f.conn, &f.keys, Layout::Conns, &dead, &ids)
+            .await
+            .unwrap();
+    assert!(evalsha_calls(&f.cluster) <= 3, "one script per master");
+    assert_eq!(checked.deleted, 1_000);
+    let worker = spawn_worker(&f.settings);
+    kill(&f.conn, &f.keys, &dead).await;
+    f.wait_idle(Duration::from_secs(60)).await;
+    worker.stop().await;
+    assert_eq!(
+        r.connections(&f.conn, b"alice").await.unwrap(),
+        vec![
+            ("laptop".to_owned(), "gw-b#1".to_owned()),
+            ("phone".to_owned(), "gw-a#1".to_owned()),
+        ]
+    );
+    assert_eq!(
+        r.route_user(&f.conn, b"alice").await.unwrap(),
+        vec!["gw-a#1", "gw-b#1"]
+    );
+    for n in [0, 999] {
+        let exists: i64 = redis::cmd("EXISTS")
+            .arg(f.keys.user_conns(&user(&dead, n)))
+            .query_async(&mut f.conn.clone())
+            .await
+            .unwrap();
+        assert_eq!(exists, 0, "an empty user Hash is left");
+    }
+    let (announced, _) = evictions_of(&f.conn, &f.keys).await;
+    assert!(announced
+        .iter()
+        .any(|(s, m)| s == dead.as_str() && m == b"tab alice"));
+    // Fenced (the verdict stands): refused, nothing written, alice's entries untouched.
+    assert!(fence::is_fenced(&f.conn, &f.keys, &dead).await.unwrap());
+    let refused = r
+        .register_connection(&f.conn, b"alice", "phone", &dead)
+        .await;
+    assert!(matches!(refused, Err(Error::Fenced { .. })), "{refused:?}");
+    assert_eq!(
+        r.route_user(&f.conn, b"alice").await.unwrap(),
+        vec!["gw-a#1", "gw-b#1"]
+    );
+    r.unregister_connection(&f.conn, b"alice", "phone", &a)
+        .await
+        .unwrap();
+    r.unregister_connection(&f.conn, b"alice", "laptop", &b)
+        .await
+        .unwrap();
+    let exists: i64 = redis::cmd("EXISTS")
+        .arg(f.keys.user_conns(b"alice"))
+        .query_async(&mut f.conn.clone())
+        .await
+        .unwrap();
+    assert_eq!(exists, 0);
 }

@@ -29,7 +29,7 @@ use registry_janitor::{
 /// cleanup runs: the users announced are exactly those whose entry was deleted, each once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_deleted_user_is_announced_exactly_once() {
-    for layout in [Layout::Hash, Layout::Keys] {
+    for layout in [Layout::Hash, Layout::Keys, Layout::Conns] {
         // Steps of 1,500 members: a step that deletes more than 1,000 writes two entries.
         let f = Fixture::with(layout, |s| {
             s.chunk_size = 1500;
@@ -52,7 +52,7 @@ async fn each_deleted_user_is_announced_exactly_once() {
                 let mut moved = Vec::new();
                 let mut n = 0;
                 while moving.load(Ordering::Relaxed) && n < USERS {
-                    let u = user(&dead, n);
+                    let u = entry(layout, &dead, n);
                     let was = reconnect_telling(&conn, &keys, layout, &u, &live).await;
                     moved.push((u, was));
                     n += 7;
@@ -77,7 +77,7 @@ async fn each_deleted_user_is_announced_exactly_once() {
             .map(|(u, _)| u.clone())
             .collect();
         let deleted: HashSet<Vec<u8>> = (0..USERS)
-            .map(|n| user(&dead, n))
+            .map(|n| entry(layout, &dead, n))
             .filter(|u| !kept.contains(u))
             .collect();
         assert!(
@@ -239,7 +239,7 @@ async fn switched_off_the_stream_is_never_written() {
 /// only those: a live server's entries, and a dead owner's entry that moved, are not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_drift_sweep_announces_what_it_removes() {
-    for layout in [Layout::Hash, Layout::Keys] {
+    for layout in [Layout::Hash, Layout::Keys, Layout::Conns] {
         let f = Fixture::with(layout, |s| s.heartbeat_grace_ms = 1);
         let (ghost, live) = (server("gw-ghost#1"), server("gw-live#1"));
         f.seed(&ghost, 700).await;
@@ -256,7 +256,7 @@ async fn the_drift_sweep_announces_what_it_removes() {
         let _: () = f
             .query(redis::cmd("ZREM").arg(f.keys.servers()).arg(ghost.as_str()))
             .await;
-        f.reconnect(&user(&ghost, 0), &live).await;
+        f.reconnect(&entry(layout, &ghost, 0), &live).await;
         let reconciler = Reconciler::new(&f.settings, Metrics::new()).await.unwrap();
         let mut cursor: Option<String> = None;
         loop {
@@ -269,12 +269,15 @@ async fn the_drift_sweep_announces_what_it_removes() {
         assert_eq!(f.still_pointing(&ghost, 700).await, 0, "{layout:?}");
         let (announced, cleaned) = evictions(&f).await;
         assert!(cleaned.is_empty());
-        let expected = (1..700).map(|n| user(&ghost, n)).collect();
+        let expected = (1..700).map(|n| entry(layout, &ghost, n)).collect();
         assert_announced_exactly_once(&announced, &ghost, &expected);
         for (_, entry) in evictions::read_all(&f.conn, &f.keys).await.unwrap() {
-            let Some(Eviction::Evicted {
+            let (Some(Eviction::Evicted {
                 source, event_id, ..
-            }) = entry
+            })
+            | Some(Eviction::ConnectionsEvicted {
+                source, event_id, ..
+            })) = entry
             else {
                 panic!("{entry:?}")
             };
@@ -512,4 +515,65 @@ fn base64_check() -> String {
         serde_json::Value::String(s) => s,
         other => panic!("{other:?}"),
     }
+}
+
+/// Layout conns: the `connections.evicted` payloads, written by the cleanup script and by
+/// the Rust encoder (the cluster's path), are what connections-evicted.schema.json says.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_evicted_payloads_match_their_schema() {
+    let schema: serde_json::Value =
+        serde_json::from_str(include_str!("../schemas/connections-evicted.schema.json")).unwrap();
+    let validator = jsonschema::validator_for(&schema).unwrap();
+    let f = Fixture::new(Layout::Conns);
+    let dead = server("gw-7#1");
+    f.seed(&dead, 1_200).await;
+    f.registry
+        .register_connection(&f.conn, b"\xff\x00 \x01", "tab-1", &dead)
+        .await
+        .unwrap();
+    let worker = spawn_worker(&f.settings);
+    f.kill(&dead).await;
+    f.wait_idle().await;
+    worker.stop().await;
+    type Fields = Vec<(String, Vec<u8>)>;
+    let raw: Vec<(String, Fields)> = f
+        .query(
+            redis::cmd("XRANGE")
+                .arg(f.keys.evictions().unwrap())
+                .arg("-")
+                .arg("+"),
+        )
+        .await;
+    let mut payloads: Vec<Vec<u8>> = raw
+        .into_iter()
+        .filter_map(|(_, fields)| {
+            let get = |n: &str| fields.iter().find(|(k, _)| k == n).unwrap().1.clone();
+            (get("type") == b"connections.evicted").then(|| get("payload"))
+        })
+        .collect();
+    assert!(payloads.len() >= 2, "1,201 pairs take 2 entries at least");
+    let user: &[u8] = &[0xff, 0, 1];
+    payloads.push(evictions::connections_evicted_payload(
+        &dead,
+        "01J",
+        evictions::Source::Sweep,
+        &[(user, "c-1"), (b"alice", "phone")],
+        1,
+    ));
+    let mut pairs = 0;
+    for payload in &payloads {
+        let value = rmpv::decode::read_value(&mut payload.as_slice()).unwrap();
+        let errors: Vec<String> = validator
+            .iter_errors(&json_of(&value))
+            .map(|e| e.to_string())
+            .collect();
+        assert!(errors.is_empty(), "{errors:?}");
+        let Some(Eviction::ConnectionsEvicted { connections, .. }) =
+            evictions::decode("connections.evicted", payload)
+        else {
+            panic!("does not decode")
+        };
+        pairs += connections.len();
+    }
+    assert_eq!(pairs, 1_201 + 2);
 }

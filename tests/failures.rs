@@ -52,7 +52,18 @@ async fn scanned(f: &Fixture, server: &ServerId) -> Option<u64> {
 /// announces every deleted user exactly once, and never a user whose entry was kept.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_sigkilled_workers_and_reconnecting_users() {
-    let f = Fixture::with(Layout::Hash, |s| {
+    chaos(Layout::Hash).await;
+}
+
+/// The same chaos in layout conns: connections move, workers die, every deleted
+/// (user, connection) pair is announced exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_sigkilled_workers_and_reconnecting_users_conns_layout() {
+    chaos(Layout::Conns).await;
+}
+
+async fn chaos(layout: Layout) {
+    let f = Fixture::with(layout, |s| {
         s.chunk_size = 5;
         s.chunks_in_flight = 1;
         s.claim_min_idle_ms = 1000;
@@ -81,8 +92,8 @@ async fn chaos_sigkilled_workers_and_reconnecting_users() {
             let mut n = 0;
             while moving.load(Ordering::Relaxed) && n < USERS {
                 for s in &dead {
-                    let u = user(s, n);
-                    let was = reconnect_telling(&conn, &keys, Layout::Hash, &u, &live).await;
+                    let u = entry(layout, s, n);
+                    let was = reconnect_telling(&conn, &keys, layout, &u, &live).await;
                     moved.push((s.clone(), n, was));
                 }
                 moved_count.fetch_add(dead.len(), Ordering::Relaxed);
@@ -131,7 +142,7 @@ async fn chaos_sigkilled_workers_and_reconnecting_users() {
     );
     for (s, n, _) in &moved {
         assert_eq!(
-            f.owner(&user(s, *n)).await.as_deref(),
+            f.owner(&entry(layout, s, *n)).await.as_deref(),
             Some(live.as_str()),
             "moved user lost"
         );
@@ -143,10 +154,10 @@ async fn chaos_sigkilled_workers_and_reconnecting_users() {
         let kept: std::collections::HashSet<Vec<u8>> = moved
             .iter()
             .filter(|(d, _, was)| d == s && was.as_deref() == Some(s.as_str()))
-            .map(|(_, n, _)| user(s, *n))
+            .map(|(_, n, _)| entry(layout, s, *n))
             .collect();
         let deleted = (0..USERS)
-            .map(|n| user(s, n))
+            .map(|n| entry(layout, s, n))
             .filter(|u| !kept.contains(u))
             .collect();
         assert_announced_exactly_once(&announced, s, &deleted);
@@ -159,7 +170,7 @@ async fn chaos_sigkilled_workers_and_reconnecting_users() {
         "only {kills_mid_cleanup} kills landed mid-cleanup"
     );
     eprintln!(
-        "chaos: {kills} SIGKILLs ({kills_mid_cleanup} mid-cleanup), {} users on {} dead servers, \
+        "chaos ({layout:?}): {kills} SIGKILLs ({kills_mid_cleanup} mid-cleanup), {} users on {} dead servers, \
          {} reconnects during the chaos; stale 0, live lost 0, pending 0",
         USERS * dead.len(),
         dead.len(),

@@ -33,7 +33,7 @@ async fn fenced_at(f: &Fixture, s: &ServerId) -> Option<u64> {
 /// comes back under a new incarnation whose users route to it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_live_server_declared_dead_is_told_at_its_next_heartbeat() {
-    for layout in [Layout::Hash, Layout::Keys] {
+    for layout in [Layout::Hash, Layout::Keys, Layout::Conns] {
         let f = Fixture::new(layout);
         let s = server("gw-7#1");
         const USERS: usize = 3_000;
@@ -56,13 +56,15 @@ async fn a_live_server_declared_dead_is_told_at_its_next_heartbeat() {
             beats.told_at.saturating_sub(verdict)
         );
         // Its writes are refused from now on, and none of them lands.
-        let late = b"late-user".to_vec();
+        let late = as_entry(layout, b"late-user");
         assert!(matches!(
             f.registry.register(&f.conn, &late, &s).await,
             Err(Error::Fenced { .. })
         ));
         assert!(matches!(
-            f.registry.unregister(&f.conn, &user(&s, 0), &s).await,
+            f.registry
+                .unregister(&f.conn, &entry(layout, &s, 0), &s)
+                .await,
             Err(Error::Fenced { .. })
         ));
         f.wait_idle().await;
@@ -72,8 +74,12 @@ async fn a_live_server_declared_dead_is_told_at_its_next_heartbeat() {
         let again = server("gw-7#2");
         f.registry.heartbeat(&f.conn, &again, 60_000).await.unwrap();
         for n in 0..10 {
-            f.reconnect(&user(&s, n), &again).await;
-            let routed = f.registry.route(&f.conn, &user(&s, n)).await.unwrap();
+            f.reconnect(&entry(layout, &s, n), &again).await;
+            let routed = f
+                .registry
+                .route(&f.conn, &entry(layout, &s, n))
+                .await
+                .unwrap();
             assert_eq!(routed.as_deref(), Some("gw-7#2"), "{layout:?}");
         }
         worker.stop().await;
@@ -85,7 +91,7 @@ async fn a_live_server_declared_dead_is_told_at_its_next_heartbeat() {
 /// entry names S afterwards; the users of a live server are untouched.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_zombie_registering_through_the_cleanup_leaves_nothing() {
-    for layout in [Layout::Hash, Layout::Keys] {
+    for layout in [Layout::Hash, Layout::Keys, Layout::Conns] {
         let f = Fixture::with(layout, |s| {
             s.chunk_size = 20;
             s.chunks_in_flight = 1;
@@ -103,7 +109,7 @@ async fn a_zombie_registering_through_the_cleanup_leaves_nothing() {
             tokio::spawn(async move {
                 let (mut taken, mut tried) = (0u64, Vec::new());
                 for n in 0.. {
-                    let u = format!("zombie-{n}").into_bytes();
+                    let u = as_entry(layout, format!("zombie-{n}").as_bytes());
                     tried.push(u.clone());
                     match registry.register(&conn, &u, &dead).await {
                         Ok(()) => {
@@ -155,7 +161,7 @@ async fn a_zombie_registering_through_the_cleanup_leaves_nothing() {
 /// read does until the cleanup reaches the entry.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn route_never_returns_a_fenced_owner_during_a_long_cleanup() {
-    for layout in [Layout::Hash, Layout::Keys] {
+    for layout in [Layout::Hash, Layout::Keys, Layout::Conns] {
         // Small steps: a cleanup long enough for many lookups, on a busy machine too.
         let f = Fixture::with(layout, |s| {
             s.chunk_size = 20;
@@ -166,7 +172,7 @@ async fn route_never_returns_a_fenced_owner_during_a_long_cleanup() {
         f.seed(&dead, USERS).await; // its liveness key stays: only the fence tells
         f.seed(&live, 100).await;
         // Before the verdict route returns the owner; the fence alone changes that.
-        let first = user(&dead, 0);
+        let first = entry(layout, &dead, 0);
         assert_eq!(
             f.registry.route(&f.conn, &first).await.unwrap().as_deref(),
             Some(dead.as_str())
@@ -180,12 +186,18 @@ async fn route_never_returns_a_fenced_owner_during_a_long_cleanup() {
         let (mut routed_dead, mut read_dead, mut lookups) = (0, 0, 0);
         let mut n = USERS - 1;
         while is_pending(&f.conn, &f.keys, &id).await {
-            let u = user(&dead, n);
+            let u = entry(layout, &dead, n);
             n = (n + USERS - 7) % USERS;
             // A plain read first: it sees the entry while the cleanup has not reached it.
             read_dead += usize::from(f.owner(&u).await.as_deref() == Some(dead.as_str()));
             let routed = f.registry.route(&f.conn, &u).await.unwrap();
             routed_dead += usize::from(routed.as_deref() == Some(dead.as_str()));
+            if layout == Layout::Conns {
+                // The user lookup of the layout: every live connection, never the dead one.
+                let (_, uid) = registry_janitor::keys::split_conn_member(&u).unwrap();
+                let servers = f.registry.route_user(&f.conn, uid).await.unwrap();
+                routed_dead += usize::from(servers.iter().any(|s| s == dead.as_str()));
+            }
             lookups += 1;
         }
         eprintln!(
@@ -201,7 +213,11 @@ async fn route_never_returns_a_fenced_owner_during_a_long_cleanup() {
         assert_eq!(f.still_pointing(&dead, USERS).await, 0);
         assert_eq!(f.still_pointing(&live, 100).await, 100, "live lost");
         for n in 0..100 {
-            let routed = f.registry.route(&f.conn, &user(&live, n)).await.unwrap();
+            let routed = f
+                .registry
+                .route(&f.conn, &entry(layout, &live, n))
+                .await
+                .unwrap();
             assert_eq!(routed.as_deref(), Some(live.as_str()));
         }
         worker.stop().await;
@@ -213,7 +229,7 @@ async fn route_never_returns_a_fenced_owner_during_a_long_cleanup() {
 /// the janitor's to delete and announce), no entry.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn route_returns_only_a_live_unfenced_owner() {
-    for layout in [Layout::Hash, Layout::Keys] {
+    for layout in [Layout::Hash, Layout::Keys, Layout::Conns] {
         let f = Fixture::new(layout);
         let (alive, expired, fenced) = (server("a#1"), server("b#1"), server("c#1"));
         for s in [&alive, &expired, &fenced] {
@@ -226,20 +242,29 @@ async fn route_returns_only_a_live_unfenced_owner() {
             .await
             .unwrap();
         let route = |s: &ServerId| {
-            let u = user(s, 0);
+            let u = entry(layout, s, 0);
             let (registry, conn) = (f.registry.clone(), f.conn.clone());
             async move { registry.route(&conn, &u).await.unwrap() }
         };
         assert_eq!(route(&alive).await.as_deref(), Some("a#1"), "{layout:?}");
         assert_eq!(route(&expired).await, None, "{layout:?}");
-        assert_eq!(f.owner(&user(&expired, 0)).await.as_deref(), Some("b#1"));
+        assert_eq!(
+            f.owner(&entry(layout, &expired, 0)).await.as_deref(),
+            Some("b#1")
+        );
         assert_eq!(route(&fenced).await, None, "{layout:?}");
         assert_eq!(
-            f.owner(&user(&fenced, 0)).await.as_deref(),
+            f.owner(&entry(layout, &fenced, 0)).await.as_deref(),
             Some("c#1"),
             "{layout:?}"
         );
-        assert_eq!(f.registry.route(&f.conn, b"nobody").await.unwrap(), None);
+        assert_eq!(
+            f.registry
+                .route(&f.conn, &as_entry(layout, b"nobody"))
+                .await
+                .unwrap(),
+            None
+        );
     }
 }
 
@@ -423,7 +448,7 @@ async fn unregister_answers_the_number_of_entries_it_deleted() {
 /// write meanwhile fails with OOM, a state that passes, never with FENCED.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fenced_server_is_told_so_even_when_redis_is_out_of_memory() {
-    for layout in [Layout::Hash, Layout::Keys] {
+    for layout in [Layout::Hash, Layout::Keys, Layout::Conns] {
         let f = Fixture::new(layout);
         let registry = Registry::new(f.keys.clone(), layout);
         let (fenced, live) = (server("gw-fenced#1"), server("gw-live#1"));
@@ -434,10 +459,16 @@ async fn a_fenced_server_is_told_so_even_when_redis_is_out_of_memory() {
         let _: () = f
             .query(redis::cmd("CONFIG").arg("SET").arg("maxmemory").arg("1"))
             .await;
-        let register = registry.register(&f.conn, b"late", &fenced).await;
+        let register = registry
+            .register(&f.conn, &as_entry(layout, b"late"), &fenced)
+            .await;
         let heartbeat = registry.heartbeat(&f.conn, &fenced, 60_000).await;
-        let unregister = registry.unregister(&f.conn, b"late", &fenced).await;
-        let live_write = registry.register(&f.conn, b"someone", &live).await;
+        let unregister = registry
+            .unregister(&f.conn, &as_entry(layout, b"late"), &fenced)
+            .await;
+        let live_write = registry
+            .register(&f.conn, &as_entry(layout, b"someone"), &live)
+            .await;
         let _: () = f
             .query(redis::cmd("CONFIG").arg("SET").arg("maxmemory").arg("0"))
             .await;
@@ -453,18 +484,28 @@ async fn a_fenced_server_is_told_so_even_when_redis_is_out_of_memory() {
             !matches!(live_write, Error::Fenced { .. }) && live_write.to_string().contains("OOM"),
             "{live_write:?}"
         );
-        assert_eq!(f.owner(b"late").await, None, "{layout:?}");
-        // Memory back, the live server registers as usual; the fenced one stays refused.
-        registry.register(&f.conn, b"someone", &live).await.unwrap();
         assert_eq!(
-            registry.route(&f.conn, b"someone").await.unwrap(),
+            f.owner(&as_entry(layout, b"late")).await,
+            None,
+            "{layout:?}"
+        );
+        // Memory back, the live server registers as usual; the fenced one stays refused.
+        registry
+            .register(&f.conn, &as_entry(layout, b"someone"), &live)
+            .await
+            .unwrap();
+        assert_eq!(
+            registry
+                .route(&f.conn, &as_entry(layout, b"someone"))
+                .await
+                .unwrap(),
             None,
             "gw-live has no liveness key yet, and route returns only a live owner"
         );
         registry.heartbeat(&f.conn, &live, 60_000).await.unwrap();
         assert_eq!(
             registry
-                .route(&f.conn, b"someone")
+                .route(&f.conn, &as_entry(layout, b"someone"))
                 .await
                 .unwrap()
                 .as_deref(),

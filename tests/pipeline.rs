@@ -25,8 +25,8 @@ async fn cleans_dead_servers(layout: Layout) {
         f.seed(s, 5_000).await;
     }
     // Two of a's users reconnected to the live server before the event.
-    f.reconnect(&user(&a, 7), &live).await;
-    f.reconnect(&user(&a, 4_999), &live).await;
+    f.reconnect(&entry(layout, &a, 7), &live).await;
+    f.reconnect(&entry(layout, &a, 4_999), &live).await;
 
     let worker = spawn_worker(&f.settings);
     f.kill(&a).await;
@@ -36,12 +36,15 @@ async fn cleans_dead_servers(layout: Layout) {
     assert_eq!(f.still_pointing(&a, 5_000).await, 0);
     assert_eq!(f.still_pointing(&b, 5_000).await, 0);
     assert_eq!(f.still_pointing(&live, 5_000).await, 5_000);
-    assert_eq!(f.owner(&user(&a, 7)).await.as_deref(), Some("gw-live#1"));
     assert_eq!(
-        f.owner(&user(&a, 4_999)).await.as_deref(),
+        f.owner(&entry(layout, &a, 7)).await.as_deref(),
         Some("gw-live#1")
     );
-    assert_eq!(f.owner(&user(&a, 8)).await, None);
+    assert_eq!(
+        f.owner(&entry(layout, &a, 4_999)).await.as_deref(),
+        Some("gw-live#1")
+    );
+    assert_eq!(f.owner(&entry(layout, &a, 8)).await, None);
     let k = &f.keys;
     let sets: u64 = f
         .query(
@@ -90,6 +93,11 @@ async fn cleans_dead_servers_keys_layout() {
     cleans_dead_servers(Layout::Keys).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cleans_dead_servers_conns_layout() {
+    cleans_dead_servers(Layout::Conns).await;
+}
+
 /// Users reconnect elsewhere while their old server is being cleaned; every one of them
 /// keeps the new entry, whatever the interleaving.
 async fn reconnects_race_the_cleanup(layout: Layout) {
@@ -104,7 +112,7 @@ async fn reconnects_race_the_cleanup(layout: Layout) {
     let mut moved_while_cleaning = 0;
     let mut moved = Vec::new();
     for n in (0..USERS).rev().step_by(7) {
-        f.reconnect(&user(&dead, n), &live).await;
+        f.reconnect(&entry(layout, &dead, n), &live).await;
         moved.push(n);
         let left: u64 = f
             .query(redis::cmd("EXISTS").arg(&f.keys.server_members_left(&dead)))
@@ -120,7 +128,7 @@ async fn reconnects_race_the_cleanup(layout: Layout) {
     );
     for n in &moved {
         assert_eq!(
-            f.owner(&user(&dead, *n)).await.as_deref(),
+            f.owner(&entry(layout, &dead, *n)).await.as_deref(),
             Some("gw-new#1"),
             "user {n} moved to gw-new#1 and must keep that entry"
         );
@@ -137,6 +145,11 @@ async fn reconnects_race_the_cleanup_hash_layout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reconnects_race_the_cleanup_keys_layout() {
     reconnects_race_the_cleanup(Layout::Keys).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconnects_race_the_cleanup_conns_layout() {
+    reconnects_race_the_cleanup(Layout::Conns).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -60,13 +60,7 @@ fn example(python: &str, f: &Fixture) -> Command {
     cmd.arg(SCRIPT)
         .args(["--redis-url", &f.redis.url()])
         .args(["--key-prefix", &f.settings.key_prefix])
-        .args([
-            "--layout",
-            match f.settings.layout {
-                Layout::Hash => "hash",
-                Layout::Keys => "keys",
-            },
-        ])
+        .args(["--layout", f.settings.layout.as_str()])
         .stdin(Stdio::null())
         .kill_on_drop(true);
     cmd
@@ -320,7 +314,7 @@ const CONSUMER: &str = concat!(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_evictions_consumer_keeps_presence_in_step() {
     let Some(python) = python() else { return };
-    for layout in [Layout::Hash, Layout::Keys] {
+    for layout in [Layout::Hash, Layout::Keys, Layout::Conns] {
         let f = Fixture::new(layout);
         let (dead, live) = (server("gw-dead#1"), server("gw-live#1"));
         const USERS: usize = 2_500;
@@ -346,8 +340,9 @@ async fn the_evictions_consumer_keeps_presence_in_step() {
         f.wait_idle().await;
         worker.stop().await;
         // One user comes back after the eviction: the consumer must leave them online.
+        // (Layout conns: the user's connection `c3` comes back, on the live server.)
         let back = user(&dead, 3);
-        f.reconnect(&back, &live).await;
+        f.reconnect(&entry(layout, &dead, 3), &live).await;
 
         let run = || {
             let mut cmd = std::process::Command::new(&python);
@@ -397,4 +392,94 @@ async fn the_evictions_consumer_keeps_presence_in_step() {
         // Idempotent and caught up: a second run has nothing to do.
         assert_eq!(run()["entries"], 0, "{layout:?}");
     }
+}
+
+/// Layout conns from Python: what connection_server.py registers (one connection `c<n>`
+/// per user) is what the Rust side reads; its `route` (route_user.lua) agrees with Rust's
+/// `route_user`, for a user with connections on two servers, on a fenced one and on none;
+/// once a worker takes server.dead for it, Python is fenced, its connections are gone and
+/// no user Hash is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_server_in_layout_conns() {
+    let Some(python) = python() else { return };
+    let f = Fixture::new(Layout::Conns);
+    let (users, leaving) = (20, 4);
+    let old = server("gw-py#1");
+    let mut py = PythonServer::start(
+        &python,
+        &f,
+        &[
+            "--server-id",
+            old.as_str(),
+            "--users",
+            &users.to_string(),
+            "--disconnect",
+            &leaving.to_string(),
+            "--heartbeat-ms",
+            &HEARTBEAT_MS.to_string(),
+            "--ttl-ms",
+            "60000",
+            "--until-fenced",
+        ],
+    );
+    py.next("ready").await;
+    let staying = users - leaving;
+    assert_eq!(f.still_pointing(&old, staying).await, staying);
+    for n in staying..users {
+        let gone: i64 = f
+            .query(redis::cmd("EXISTS").arg(f.keys.user_conns(&user(&old, n))))
+            .await;
+        assert_eq!(gone, 0, "u{n} disconnected its only connection");
+    }
+    // A second connection of user 0 on another (Rust) server; routes agree.
+    let other = server("gw-rs#1");
+    f.registry.heartbeat(&f.conn, &other, 60_000).await.unwrap();
+    let u0 = user(&old, 0);
+    f.registry
+        .register_connection(&f.conn, &u0, "laptop", &other)
+        .await
+        .unwrap();
+    let both = |u: Vec<u8>| {
+        let (python, f) = (python.clone(), &f);
+        async move {
+            let name = String::from_utf8(u.clone()).unwrap();
+            let out = example(&python, f)
+                .args(["route", &name])
+                .output()
+                .await
+                .unwrap();
+            assert!(out.status.success());
+            let printed = String::from_utf8(out.stdout).unwrap();
+            let from_python: Vec<String> = match printed.trim() {
+                "none" => Vec::new(),
+                line => line.split(' ').map(str::to_owned).collect(),
+            };
+            let from_rust = f.registry.route_user(&f.conn, &u).await.unwrap();
+            assert_eq!(from_python, from_rust, "route of {name}: Python vs Rust");
+            from_rust
+        }
+    };
+    assert_eq!(both(u0.clone()).await, vec!["gw-py#1", "gw-rs#1"]);
+    assert_eq!(both(b"nobody".to_vec()).await, Vec::<String>::new());
+
+    let worker = spawn_worker(&f.settings);
+    f.kill(&old).await;
+    py.next("fenced").await;
+    f.wait_idle().await;
+    worker.stop().await;
+    let status = tokio::time::timeout(Duration::from_secs(10), py.child.wait())
+        .await
+        .expect("Python exits once fenced")
+        .unwrap();
+    assert!(status.success(), "{status}; its log:\n{}", py.log());
+    assert_eq!(f.still_pointing(&old, users).await, 0);
+    assert_eq!(both(u0.clone()).await, vec!["gw-rs#1"]);
+    let left: Vec<Vec<u8>> = f
+        .query(redis::cmd("KEYS").arg(f.keys.user_conns_pattern()))
+        .await;
+    assert_eq!(
+        left,
+        vec![f.keys.user_conns(&u0)],
+        "only user 0's laptop is left"
+    );
 }

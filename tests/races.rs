@@ -48,6 +48,11 @@ async fn registrations_during_the_walk_are_cleaned_before_the_ack_keys_layout() 
     registrations_during_the_walk(Layout::Keys).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registrations_during_the_walk_are_cleaned_before_the_ack_conns_layout() {
+    registrations_during_the_walk(Layout::Conns).await;
+}
+
 /// Writes `user`'s forward entry naming `owner`, as the second half of a registration.
 async fn write_forward(f: &Fixture, user: &[u8], owner: &ServerId) {
     let cmd = match f.settings.layout {
@@ -60,6 +65,14 @@ async fn write_forward(f: &Fixture, user: &[u8], owner: &ServerId) {
             .arg(f.keys.user(user))
             .arg(owner.as_str())
             .to_owned(),
+        Layout::Conns => {
+            let (key, field) = f.keys.forward_of_member(Layout::Conns, user).unwrap();
+            redis::cmd("HSET")
+                .arg(key)
+                .arg(field)
+                .arg(owner.as_str())
+                .to_owned()
+        }
     };
     let _: () = f.query(&cmd).await;
 }
@@ -69,11 +82,20 @@ async fn write_forward(f: &Fixture, user: &[u8], owner: &ServerId) {
 /// the SADD changes nothing). The user must still be found when the server dies.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_registration_in_flight_survives_the_reverse_sweep() {
-    let f = Fixture::new(Layout::Hash);
+    registration_in_flight_survives_the_reverse_sweep(Layout::Hash).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registration_in_flight_survives_the_reverse_sweep_conns_layout() {
+    registration_in_flight_survives_the_reverse_sweep(Layout::Conns).await;
+}
+
+async fn registration_in_flight_survives_the_reverse_sweep(layout: Layout) {
+    let f = Fixture::new(layout);
     let (s, other) = (server("gw-s#1"), server("gw-other#1"));
     f.seed(&s, 10).await;
     f.seed(&other, 10).await;
-    let u = user(&s, 0);
+    let u = entry(layout, &s, 0);
     // `u` moved to `other` earlier; `s` missed the SREM, so `u` is still in its set.
     f.reconnect(&u, &other).await;
     // `u` comes back to `s`: SADD (no change), then the sweep, then the forward entry.
@@ -102,11 +124,20 @@ async fn a_registration_in_flight_survives_the_reverse_sweep() {
 /// their entry names the server by then, dropped if it names another.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn members_set_aside_are_settled_after_the_grace_period() {
-    let f = Fixture::with(Layout::Keys, |s| s.heartbeat_grace_ms = 300);
+    members_set_aside_are_settled(Layout::Keys).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_set_aside_are_settled_after_the_grace_period_conns_layout() {
+    members_set_aside_are_settled(Layout::Conns).await;
+}
+
+async fn members_set_aside_are_settled(layout: Layout) {
+    let f = Fixture::with(layout, |s| s.heartbeat_grace_ms = 300);
     let (s, other) = (server("gw-s#1"), server("gw-other#1"));
     f.seed(&s, 10).await;
     f.seed(&other, 10).await;
-    let (back, gone) = (user(&s, 0), user(&s, 1));
+    let (back, gone) = (entry(layout, &s, 0), entry(layout, &s, 1));
     f.reconnect(&back, &other).await;
     f.reconnect(&gone, &other).await;
     let r = Reconciler::new(&f.settings, Metrics::new()).await.unwrap();
@@ -135,7 +166,7 @@ async fn members_set_aside_are_settled_after_the_grace_period() {
 /// acknowledgement) waits for it. (Meanwhile OOM refuses S's writes anyway.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cleanup_finishes_while_redis_is_out_of_memory() {
-    for layout in [Layout::Hash, Layout::Keys] {
+    for layout in [Layout::Hash, Layout::Keys, Layout::Conns] {
         let f = Fixture::new(layout);
         let (dead, live) = (server("gw-dead#1"), server("gw-live#1"));
         f.seed(&dead, 3_000).await;

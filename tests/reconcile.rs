@@ -269,54 +269,24 @@ async fn drift_fixture(layout: Layout) -> (Fixture, ServerId, ServerId) {
     // Entries of a server no index knows: no reverse set, no `servers` entry, no key.
     let ghost = server("gw-ghost#1");
     for n in 0..700 {
-        match layout {
-            Layout::Hash => {
-                let _: () = f
-                    .query(
-                        redis::cmd("HSET")
-                            .arg(f.keys.registry())
-                            .arg(user(&ghost, n))
-                            .arg(ghost.as_str()),
-                    )
-                    .await;
-            }
-            Layout::Keys => {
-                let _: () = f
-                    .query(
-                        redis::cmd("SET")
-                            .arg(f.keys.user(&user(&ghost, n)))
-                            .arg(ghost.as_str()),
-                    )
-                    .await;
-            }
-        }
+        let _: () = f
+            .query(&forward_write(
+                &f.keys,
+                layout,
+                &entry(layout, &ghost, n),
+                ghost.as_str(),
+            ))
+            .await;
     }
     // An owner that is not a valid server id is never used in a key, and left alone.
-    f.reconnect(b"odd-user", &server("gw-live#1")).await;
-    match layout {
-        Layout::Hash => {
-            let _: () = f
-                .query(
-                    redis::cmd("HSET")
-                        .arg(f.keys.registry())
-                        .arg("odd-user")
-                        .arg("bad{owner}"),
-                )
-                .await;
-        }
-        Layout::Keys => {
-            let _: () = f
-                .query(
-                    redis::cmd("SET")
-                        .arg(f.keys.user(b"odd-user"))
-                        .arg("bad{owner}"),
-                )
-                .await;
-        }
-    }
+    let odd = as_entry(layout, b"odd-user");
+    f.reconnect(&odd, &server("gw-live#1")).await;
+    let _: () = f
+        .query(&forward_write(&f.keys, layout, &odd, "bad{owner}"))
+        .await;
     // 50 users of `live` moved to `other`, and `live` missed the SREM.
     for n in 0..50 {
-        f.reconnect(&user(&live, n), &other).await;
+        f.reconnect(&entry(layout, &live, n), &other).await;
     }
     (f, live, other)
 }
@@ -334,11 +304,14 @@ async fn drift_is_repaired(layout: Layout) {
     assert_eq!(f.still_pointing(&other, 1_000).await, 1_000);
     for n in 0..50 {
         assert_eq!(
-            f.owner(&user(&live, n)).await.as_deref(),
+            f.owner(&entry(layout, &live, n)).await.as_deref(),
             Some("gw-other#1")
         );
     }
-    assert_eq!(f.owner(b"odd-user").await.as_deref(), Some("bad{owner}"));
+    assert_eq!(
+        f.owner(&as_entry(layout, b"odd-user")).await.as_deref(),
+        Some("bad{owner}")
+    );
     let members: u64 = f
         .query(redis::cmd("SCARD").arg(f.keys.server_users(&live)))
         .await;
@@ -363,6 +336,11 @@ async fn drift_is_repaired_hash_layout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drift_is_repaired_keys_layout() {
     drift_is_repaired(Layout::Keys).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drift_is_repaired_conns_layout() {
+    drift_is_repaired(Layout::Conns).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

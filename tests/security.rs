@@ -198,7 +198,18 @@ fn load_acl_users(redis: &RedisServer) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_role_runs_the_flow_with_only_its_acl_rules() {
-    let f = Fixture::with(Layout::Hash, |s| {
+    each_role_runs_the_flow(Layout::Hash).await;
+}
+
+/// The same flow in layout conns: the worker's cleanup, the reconciler's sweep and the
+/// connection server's scripts of that layout, each with only its role's rules.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_role_runs_the_flow_with_only_its_acl_rules_conns_layout() {
+    each_role_runs_the_flow(Layout::Conns).await;
+}
+
+async fn each_role_runs_the_flow(layout: Layout) {
+    let f = Fixture::with(layout, |s| {
         s.key_prefix = String::new(); // the shipped rules name the keys without a prefix
         s.reconcile_interval_ms = 200;
     });
@@ -335,10 +346,8 @@ async fn each_role_runs_the_flow_with_only_its_acl_rules() {
 /// rules); and refused by the ACL for what a connection server never runs.
 async fn connection_server_runs_the_protocol(f: &Fixture, conn: &RedisConn, fenced: &ServerId) {
     let live = server("gw-live#1");
-    for registry in [
-        f.registry.clone(),
-        Registry::new(f.keys.clone(), Layout::Keys),
-    ] {
+    let hash = Registry::new(f.keys.clone(), Layout::Hash);
+    for registry in [hash.clone(), Registry::new(f.keys.clone(), Layout::Keys)] {
         registry.heartbeat(conn, &live, 60_000).await.unwrap();
         for u in [&b"cs-a"[..], b"cs-b"] {
             registry.register(conn, u, &live).await.unwrap();
@@ -358,11 +367,11 @@ async fn connection_server_runs_the_protocol(f: &Fixture, conn: &RedisConn, fenc
     assert_eq!(members, 0);
 
     // The worker fenced `fenced`: its writes are refused, and the refusals are noted.
-    let refused = f.registry.heartbeat(conn, fenced, 60_000).await;
+    let refused = hash.heartbeat(conn, fenced, 60_000).await;
     assert!(matches!(refused, Err(Error::Fenced { .. })), "{refused:?}");
-    let refused = f.registry.register(conn, b"cs-late", fenced).await;
+    let refused = hash.register(conn, b"cs-late", fenced).await;
     assert!(matches!(refused, Err(Error::Fenced { .. })), "{refused:?}");
-    assert_eq!(f.owner(b"cs-late").await, None);
+    assert_eq!(hash.owner(&f.conn, b"cs-late").await.unwrap(), None);
     let notes: Vec<Option<u64>> = f
         .query(
             redis::cmd("HMGET")
@@ -374,10 +383,7 @@ async fn connection_server_runs_the_protocol(f: &Fixture, conn: &RedisConn, fenc
     assert_eq!(notes, [Some(1), Some(1)]);
     // A routing lookup never returns the fenced owner; it only reads (the entry, written
     // behind the back of the finished cleanup, is the drift sweep's to delete).
-    for registry in [
-        f.registry.clone(),
-        Registry::new(f.keys.clone(), Layout::Keys),
-    ] {
+    for registry in [hash.clone(), Registry::new(f.keys.clone(), Layout::Keys)] {
         registry
             .register_legacy(&f.conn, b"cs-stale", fenced)
             .await
@@ -414,6 +420,33 @@ async fn connection_server_runs_the_protocol(f: &Fixture, conn: &RedisConn, fenc
     assert!(registry_janitor::fence::is_fenced(&f.conn, &f.keys, fenced)
         .await
         .unwrap());
+
+    // Layout conns: the connection scripts and the lookup of every live connection.
+    let conns = Registry::new(f.keys.clone(), Layout::Conns);
+    for connection in ["phone", "laptop"] {
+        conns
+            .register_connection(conn, b"cs-c", connection, &live)
+            .await
+            .unwrap();
+    }
+    assert_eq!(
+        conns.route_user(conn, b"cs-c").await.unwrap(),
+        vec![live.as_str()]
+    );
+    let refused = conns
+        .register_connection(conn, b"cs-c", "tab", fenced)
+        .await;
+    assert!(matches!(refused, Err(Error::Fenced { .. })), "{refused:?}");
+    for connection in ["phone", "laptop"] {
+        conns
+            .unregister_connection(conn, b"cs-c", connection, &live)
+            .await
+            .unwrap();
+    }
+    let left: u64 = f
+        .query(redis::cmd("EXISTS").arg(f.keys.user_conns(b"cs-c")))
+        .await;
+    assert_eq!(left, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

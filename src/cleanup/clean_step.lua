@@ -35,8 +35,8 @@
 -- KEYS[1] server:{S}:users   KEYS[2] server:{S}:walking   KEYS[3] server:{S}:moved
 -- KEYS[4] server:{S}:cleanup KEYS[5] servers   KEYS[6] registry (layout hash)
 -- KEYS[7] events stream   KEYS[8] the evictions stream (absent when switched off)
--- ARGV[1] server id   ARGV[2] chunk size   ARGV[3] 'hash' or 'keys'
--- ARGV[4] forward key prefix for layout keys (<key_prefix>user:)   ARGV[5] 'scan' or 'pop'
+-- ARGV[1] server id   ARGV[2] chunk size   ARGV[3] 'hash', 'keys' or 'conns'
+-- ARGV[4] forward key prefix for layouts keys and conns (<key_prefix>user:)   ARGV[5] 'scan' or 'pop'
 -- ARGV[6] consumer group   ARGV[7] entry id to acknowledge when clean ('' for none)
 -- ARGV[8] the event's event_id, for the evictions stream ('' for none)
 -- Returns {done (0/1), members handled, entries deleted, entries kept, mode used,
@@ -44,8 +44,12 @@
 -- The execution time (TIME at the start and at the end) lets the worker tell how long
 -- the step waited in Redis' queue: its round trip minus this (see cleanup/limiter.rs).
 --
+-- Layout conns: a member is `<connection id> <user id>`; its entry is the connection's
+-- field in the user's Hash, deleted only if it still names S (owners.lua).
+--
 -- Evictions: the users this step deleted are announced in `users.evicted` entries of
--- KEYS[8] (announce.lua), in this script, so each deleted user is announced exactly once
+-- KEYS[8] (announce.lua; layout conns: `connections.evicted`, the (user, connection)
+-- pairs), in this script, so each deleted user is announced exactly once
 -- and a kept one never. The step that acknowledges the event (XACK answered 1: only one
 -- step can) announces `server.cleaned` with the totals of the cleanup, counted in the
 -- progress hash (`evicted`, `kept`).
@@ -61,7 +65,7 @@ end
 local users_key, walking_key, moved_key = KEYS[1], KEYS[2], KEYS[3]
 local progress_key, servers_key, registry_key, events_key = KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local server, count, user_prefix = ARGV[1], tonumber(ARGV[2]), ARGV[4]
-local hash_layout = ARGV[3] == 'hash'
+local layout = ARGV[3]
 local mode = ARGV[5]
 local evictions, event_id = KEYS[8], ARGV[8] or ''
 local announced = 0
@@ -80,7 +84,7 @@ local function check_delete(members)
   local evicted = {}
   for first = 1, #members, BATCH do
     local last = math.min(first + BATCH - 1, #members)
-    local owners = owners_of(members, first, last, hash_layout, registry_key, user_prefix)
+    local owners = owners_of(members, first, last, layout, registry_key, user_prefix)
     local doomed = {}
     for i = 1, #owners do
       local owner = owners[i]
@@ -90,10 +94,10 @@ local function check_delete(members)
         kept = kept + 1
       end
     end
-    deleted = deleted + delete_forward(doomed, hash_layout, registry_key, user_prefix)
+    deleted = deleted + delete_forward(doomed, layout, registry_key, user_prefix)
     for i = 1, #doomed do evicted[#evicted + 1] = doomed[i] end
   end
-  announced = announced + announce_evicted(evictions, server, event_id, 'cleanup', evicted)
+  announced = announced + announce_members(evictions, server, event_id, 'cleanup', evicted, layout)
   -- Totals for `server.cleaned`. Only after a write of this step (a pop or a delete), so
   -- that out of memory they are let through, and never on a finished cleanup's record.
   if deleted > 0 then redis.call('HINCRBY', progress_key, 'evicted', deleted) end

@@ -226,9 +226,10 @@ impl Cleaner {
         let mut gone = checked.deleted_users;
         gone.extend(checked.absent_users);
         let announced = retrying_counted("announcing evictions", stop, Some(errors), || {
-            crate::evictions::announce_evicted(
+            crate::evictions::announce_members(
                 conn,
                 &self.keys,
+                self.layout,
                 server,
                 event_id,
                 crate::evictions::Source::Cleanup,

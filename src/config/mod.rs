@@ -32,6 +32,9 @@ pub enum Layout {
     Hash,
     /// One String `user:<user>` per user.
     Keys,
+    /// One Hash `user:{<user>}:conns` per user: field = connection id, value = server id
+    /// (a user with several connections; see docs/connections.md).
+    Conns,
 }
 
 impl Layout {
@@ -40,6 +43,7 @@ impl Layout {
         match self {
             Layout::Hash => "hash",
             Layout::Keys => "keys",
+            Layout::Conns => "conns",
         }
     }
 }

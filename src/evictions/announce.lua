@@ -114,6 +114,71 @@ local function announce_evicted(stream, server, event_id, source, users)
   return entries
 end
 
+-- str 8 headers by length (fixstr under 32), made as met.
+local STR8 = {}
+
+-- Layout conns: XADDs `connections.evicted` entries for `members` (`<connection id>
+-- <user id>`, whose entries this script deleted; split by conn_parts in owners.lua),
+-- 1,000 pairs per entry: `connections` is an array of [user id (binary), connection id
+-- (string)]. Returns the entries written.
+local function announce_connections_evicted(stream, server, event_id, source, members)
+  if not stream or stream == '' or #members == 0 then return 0 end
+  local at = mp_uint(now_ms())
+  local entries = 0
+  for first = 1, #members, EVICTED_PER_ENTRY do
+    local last = math.min(first + EVICTED_PER_ENTRY - 1, #members)
+    -- As in announce_evicted: cached headers and the ids themselves go into the list,
+    -- so no string is made per pair.
+    local list, k, n = {}, 1, 0
+    for i = first, last do
+      local connection, user = conn_parts(members[i])
+      if connection then
+        n = n + 1
+        local ul, cl = #user, #connection
+        local uh = BIN8[ul]
+        if ul < 256 and not uh then
+          uh = '\196' .. string.char(ul)
+          BIN8[ul] = uh
+        end
+        local ch = STR8[cl]
+        if not ch then
+          ch = cl < 32 and string.char(160 + cl) or '\217' .. string.char(cl)
+          STR8[cl] = ch
+        end
+        list[k + 1] = '\146'
+        list[k + 2] = uh or mp_bin(user)
+        if uh then
+          list[k + 3] = user
+        else
+          list[k + 3] = ''
+        end
+        list[k + 4], list[k + 5] = ch, connection
+        k = k + 5
+      end
+    end
+    if n > 0 then
+      list[1] = mp_array_header(n)
+      local payload = mp_map({
+        'v', mp_uint(1), 'source', mp_str(source), 'server_id', mp_str(server),
+        'event_id', mp_str(event_id), 'connections', table.concat(list),
+        'evicted_at_ms', at,
+      })
+      redis.call('XADD', stream, '*', 'type', 'connections.evicted', 'payload', payload)
+      entries = entries + 1
+    end
+  end
+  return entries
+end
+
+-- The announcement of deleted reverse-set members for `layout`: `users.evicted` (hash,
+-- keys) or `connections.evicted` (conns).
+local function announce_members(stream, server, event_id, source, members, layout)
+  if layout == 'conns' then
+    return announce_connections_evicted(stream, server, event_id, source, members)
+  end
+  return announce_evicted(stream, server, event_id, source, members)
+end
+
 -- XADDs the `server.cleaned` entry of a finished cleanup.
 local function announce_cleaned(stream, server, event_id, deleted, kept)
   if not stream or stream == '' then return end

@@ -9,6 +9,9 @@
 //! - `users.evicted`: the users one cleanup step (or one drift-sweep step) deleted, at
 //!   most [`MAX_USERS_PER_ENTRY`] per entry, with the server, the `server.dead`'s
 //!   `event_id` and a `source` (`cleanup` or `sweep`);
+//! - `connections.evicted` (layout `conns`): the (user, connection) pairs one step
+//!   deleted, at most [`MAX_USERS_PER_ENTRY`] pairs per entry, with the same fields
+//!   otherwise (`connections` instead of `users`);
 //! - `server.cleaned`: once per acknowledged `server.dead`, with the cleanup's totals.
 //!
 //! Each entry has the fields `type` and `payload`, a MessagePack map with named keys
@@ -62,6 +65,14 @@ pub enum Eviction {
         users: Vec<Vec<u8>>,
         evicted_at_ms: u64,
     },
+    /// Layout `conns`: the (user id, connection id) pairs whose entry was deleted.
+    ConnectionsEvicted {
+        source: Option<String>,
+        server_id: String,
+        event_id: String,
+        connections: Vec<(Vec<u8>, String)>,
+        evicted_at_ms: u64,
+    },
     Cleaned {
         server_id: String,
         event_id: String,
@@ -99,6 +110,47 @@ pub fn evicted_payload(
         write_array_len(w, users.len() as u32)?;
         for u in users {
             write_bin(w, u)?;
+        }
+        write_str(w, "evicted_at_ms")?;
+        write_uint(w, at_ms)?;
+        Ok(())
+    };
+    write(&mut out).expect(WRITING_TO_A_VEC);
+    out
+}
+
+/// A `connections.evicted` payload (layout `conns`): like `users.evicted`, with
+/// `connections`, an array of [user id (binary), connection id (string)], for `users`.
+pub fn connections_evicted_payload(
+    server: &ServerId,
+    event_id: &str,
+    source: Source,
+    connections: &[(&[u8], &str)],
+    at_ms: u64,
+) -> Vec<u8> {
+    use rmp::encode::*;
+    let mut out = Vec::with_capacity(
+        96 + connections
+            .iter()
+            .map(|(u, c)| u.len() + c.len() + 5)
+            .sum::<usize>(),
+    );
+    let write = |w: &mut Vec<u8>| -> Result<(), ValueWriteError> {
+        write_map_len(w, 6)?;
+        write_str(w, "v")?;
+        write_uint(w, VERSION)?;
+        write_str(w, "source")?;
+        write_str(w, source.as_str())?;
+        write_str(w, "server_id")?;
+        write_str(w, server.as_str())?;
+        write_str(w, "event_id")?;
+        write_str(w, event_id)?;
+        write_str(w, "connections")?;
+        write_array_len(w, connections.len() as u32)?;
+        for (user, connection) in connections {
+            write_array_len(w, 2)?;
+            write_bin(w, user)?;
+            write_str(w, connection)?;
         }
         write_str(w, "evicted_at_ms")?;
         write_uint(w, at_ms)?;
@@ -198,6 +250,54 @@ pub async fn announce_evicted(
     Ok(entries)
 }
 
+/// The announcement of deleted reverse-set members in `layout`: `users.evicted`
+/// ([`announce_evicted`]) for layouts `hash` and `keys`, `connections.evicted` for layout
+/// `conns` (members `<connection id> <user id>`; one of another shape is left out).
+pub async fn announce_members(
+    conn: &RedisConn,
+    keys: &Keys,
+    layout: crate::config::Layout,
+    server: &ServerId,
+    event_id: &str,
+    source: Source,
+    members: &[Vec<u8>],
+) -> Result<u64> {
+    if layout != crate::config::Layout::Conns {
+        return announce_evicted(conn, keys, server, event_id, source, members).await;
+    }
+    let Some(stream) = keys.evictions() else {
+        return Ok(0);
+    };
+    let pairs: Vec<(&[u8], &str)> = members
+        .iter()
+        .filter_map(|m| {
+            let (connection, user) = crate::keys::split_conn_member(m)?;
+            Some((user, std::str::from_utf8(connection).ok()?))
+        })
+        .collect();
+    if pairs.is_empty() {
+        return Ok(0);
+    }
+    let at = crate::now_ms();
+    let mut pipe = redis::pipe();
+    let mut entries = 0;
+    for chunk in pairs.chunks(MAX_USERS_PER_ENTRY) {
+        pipe.cmd("XADD")
+            .arg(stream)
+            .arg(crate::keys::ids::AUTO)
+            .arg("type")
+            .arg("connections.evicted")
+            .arg("payload")
+            .arg(connections_evicted_payload(
+                server, event_id, source, chunk, at,
+            ))
+            .ignore();
+        entries += 1;
+    }
+    let () = pipe.query_async(&mut conn.clone()).await?;
+    Ok(entries)
+}
+
 /// XADDs the `server.cleaned` entry of a finished cleanup (a no-op when the stream is off).
 pub async fn announce_cleaned(
     conn: &RedisConn,
@@ -250,6 +350,22 @@ pub fn decode(kind: &str, payload: &[u8]) -> Option<Eviction> {
                 .iter()
                 .map(|u| match u {
                     rmpv::Value::Binary(b) => Some(b.clone()),
+                    _ => None,
+                })
+                .collect::<Option<Vec<_>>>()?,
+            evicted_at_ms: number("evicted_at_ms")?,
+        }),
+        "connections.evicted" => Some(Eviction::ConnectionsEvicted {
+            source: text("source"),
+            server_id: text("server_id")?,
+            event_id: text("event_id")?,
+            connections: get("connections")?
+                .as_array()?
+                .iter()
+                .map(|pair| match pair.as_array()?.as_slice() {
+                    [rmpv::Value::Binary(user), connection] => {
+                        Some((user.clone(), connection.as_str()?.to_owned()))
+                    }
                     _ => None,
                 })
                 .collect::<Option<Vec<_>>>()?,

@@ -5,15 +5,17 @@
 --
 -- Layout hash: KEYS[1] registry, ARGV[3..] user ids.
 -- Layout keys: KEYS = forward keys (all in one slot).
--- ARGV[1] dead server id  ARGV[2] 'hash' or 'keys'
+-- Layout conns: KEYS = the users' Hashes `user:{<user>}:conns` (all in one slot), one per
+--   member, ARGV[3..] the members' connection ids, in the same order.
+-- ARGV[1] dead server id  ARGV[2] 'hash', 'keys' or 'conns'
 -- Returns {entries deleted, entries kept, positions deleted, positions absent}: the
 -- positions (1-based, in the order given) of the users whose entry this call deleted, and
 -- of those that had no entry (the evictions stream on a cluster announces both: an
 -- absent entry may be one whose delete was done by an attempt that never announced it).
 
-local server, hash_layout = ARGV[1], ARGV[2] == 'hash'
+local server, hash_layout, conns_layout = ARGV[1], ARGV[2] == 'hash', ARGV[2] == 'conns'
 local names = {}
-if hash_layout then
+if hash_layout or conns_layout then
   for i = 3, #ARGV do names[i - 2] = ARGV[i] end
 else
   names = KEYS
@@ -25,6 +27,13 @@ for first = 1, #names, BATCH do
   local owners
   if hash_layout then
     owners = redis.call('HMGET', KEYS[1], unpack(names, first, last))
+  elseif conns_layout then
+    owners = {}
+    for i = first, last do
+      local owner = redis.pcall('HGET', KEYS[i], names[i])
+      if type(owner) ~= 'string' then owner = false end
+      owners[#owners + 1] = owner
+    end
   else
     owners = redis.call('MGET', unpack(names, first, last))
   end
@@ -43,6 +52,12 @@ for first = 1, #names, BATCH do
   if n > 0 then
     if hash_layout then
       deleted = deleted + redis.call('HDEL', KEYS[1], unpack(doomed))
+    elseif conns_layout then
+      for i = first, last do
+        if owners[i - first + 1] == server then
+          deleted = deleted + redis.call('HDEL', KEYS[i], names[i])
+        end
+      end
     else
       deleted = deleted + redis.call('DEL', unpack(doomed))
     end

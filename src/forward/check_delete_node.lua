@@ -1,5 +1,5 @@
 #!lua flags=allow-cross-slot-keys,allow-oom
--- Cluster cleanup, layout keys: the atomic check-and-delete of check_delete.lua for the
+-- Cluster cleanup, layouts keys and conns: the atomic check-and-delete of check_delete.lua for the
 -- forward keys of many slots at once, all (by the caller's slot map) served by the node
 -- that runs it. Redis 7.0+: allow-cross-slot-keys lets one script touch keys of several
 -- slots of this node; allow-oom lets it run on a master over maxmemory, as
@@ -8,40 +8,57 @@
 -- too); Redis still refuses each command on a key this node does not serve.
 --
 -- A key this node does not serve (its slot moved, or is moving and the key is not
--- here: MOVED or ASK for a plain command) makes GET fail; that key is left alone and
+-- here: MOVED or ASK for a plain command) makes GET (HGET) fail; that key is left alone and
 -- reported, and the caller checks it with the per-slot script (check_delete.lua), which
 -- redis-rs routes and redirects. Since each key is read and deleted in this one script,
 -- a key read here is served here until the script ends.
 --
--- ARGV[1] dead server id  ARGV[2..] forward keys
+-- ARGV[1] dead server id  ARGV[2] 'keys' or 'conns'
+-- Layout keys: ARGV[3..] forward keys.
+-- Layout conns: ARGV[3..] pairs: a user's Hash `user:{<user>}:conns`, then a connection
+--   id; the entry is that field (HGET, HDEL: Redis deletes the Hash with its last field).
 -- Returns {entries deleted, entries kept, positions deleted, positions absent,
--- positions not served here}: positions 1-based in the keys given (ARGV[2] is 1).
+-- positions not served here}: positions 1-based in the entries given (the first key, or
+-- the first pair, is 1).
 
-local server = ARGV[1]
+local server, conns = ARGV[1], ARGV[2] == 'conns'
+local step = conns and 2 or 1
 local deleted, kept = 0, 0
 local deleted_at, absent_at, elsewhere_at = {}, {}, {}
-for i = 2, #ARGV do
+local at = 0
+for i = 3, #ARGV, step do
+  at = at + 1
   local key = ARGV[i]
-  local owner = redis.pcall('GET', key)
+  local owner
+  if conns then
+    owner = redis.pcall('HGET', key, ARGV[i + 1])
+  else
+    owner = redis.pcall('GET', key)
+  end
   if type(owner) == 'table' and owner.err then
     if string.sub(owner.err, 1, 9) == 'WRONGTYPE' then
       -- Not a forward entry: MGET in check_delete.lua reads it as none.
-      absent_at[#absent_at + 1] = i - 1
+      absent_at[#absent_at + 1] = at
     else
-      elsewhere_at[#elsewhere_at + 1] = i - 1
+      elsewhere_at[#elsewhere_at + 1] = at
     end
   elseif owner == server then
-    local gone = redis.pcall('DEL', key)
+    local gone
+    if conns then
+      gone = redis.pcall('HDEL', key, ARGV[i + 1])
+    else
+      gone = redis.pcall('DEL', key)
+    end
     if type(gone) == 'number' then
       deleted = deleted + gone
-      deleted_at[#deleted_at + 1] = i - 1
+      deleted_at[#deleted_at + 1] = at
     else
-      elsewhere_at[#elsewhere_at + 1] = i - 1
+      elsewhere_at[#elsewhere_at + 1] = at
     end
   elseif owner then
     kept = kept + 1
   else
-    absent_at[#absent_at + 1] = i - 1
+    absent_at[#absent_at + 1] = at
   end
 end
 return {deleted, kept, deleted_at, absent_at, elsewhere_at}

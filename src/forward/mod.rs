@@ -117,7 +117,8 @@ impl redis::FromRedisValue for NodeReply {
 
 /// Check-and-delete of `users`' forward entries that still name `server`. Kept are
 /// entries that name another server now. Works on one node and on a cluster: one call
-/// for layout `hash` (its entries share the `registry` key); for layout `keys` on a
+/// for layout `hash` (its entries share the `registry` key); for layouts `keys` and
+/// `conns` (members `<connection> <user>`, the entry a field of the user's Hash) on a
 /// cluster, one script per master (`check_delete_node.lua`, the users grouped by the
 /// master that serves their slot), and one per slot (`check_delete.lua`) for the users
 /// whose slot is moving or whose node did not answer.
@@ -131,8 +132,8 @@ pub async fn check_delete(
     if users.is_empty() {
         return Ok(Checked::default());
     }
-    if layout == Layout::Keys && conn.is_cluster() {
-        return check_delete_by_node(conn, keys, server, users).await;
+    if layout != Layout::Hash && conn.is_cluster() {
+        return check_delete_by_node(conn, keys, layout, server, users).await;
     }
     check_delete_by_slot(conn, keys, layout, server, users.iter().collect()).await
 }
@@ -142,8 +143,9 @@ static CHECK_DELETE_NODE: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(CHECK_DELETE_NODE_CODE));
 const CHECK_DELETE_NODE_CODE: &str = include_str!("check_delete_node.lua");
 
-/// Layout `keys` on a cluster: the users grouped by the master that serves their slot
-/// (by this process's slot map), one `check_delete_node.lua` per master, all at once.
+/// Layouts `keys` and `conns` on a cluster: the users (members) grouped by the master
+/// that serves their slot (by this process's slot map), one `check_delete_node.lua` per
+/// master, all at once.
 /// The users that a master did not serve (a slot moved or moving: its script reports
 /// them), or of a master whose script failed (a failover, a node not connected), go
 /// through the per-slot scripts, which redis-rs routes and redirects; the slot map is
@@ -151,6 +153,7 @@ const CHECK_DELETE_NODE_CODE: &str = include_str!("check_delete_node.lua");
 async fn check_delete_by_node(
     conn: &RedisConn,
     keys: &Keys,
+    layout: Layout,
     server: &ServerId,
     users: &[Vec<u8>],
 ) -> Result<Checked> {
@@ -163,18 +166,30 @@ async fn check_delete_by_node(
         }
     };
     let Some(owners) = owners else {
-        return check_delete_by_slot(conn, keys, Layout::Keys, server, users.iter().collect())
-            .await;
+        return check_delete_by_slot(conn, keys, layout, server, users.iter().collect()).await;
     };
-    let (groups, mut elsewhere) = by_master(&owners, keys, users);
+    checked.absent_users.extend(
+        users
+            .iter()
+            .filter(|u| keys.forward_of_member(layout, u).is_none())
+            .cloned(),
+    );
+    let (groups, mut elsewhere) = by_master(&owners, keys, layout, users);
     let mut in_flight = FuturesUnordered::new();
     for (slot, users) in groups {
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg(CHECK_DELETE_NODE.get_hash())
             .arg(0)
-            .arg(server.as_str());
+            .arg(server.as_str())
+            .arg(layout.as_str());
         for u in &users {
-            cmd.arg(keys.user(u));
+            // by_master grouped only members that have a forward key.
+            if let Some((key, field)) = keys.forward_of_member(layout, u) {
+                cmd.arg(key);
+                if let Some(field) = field {
+                    cmd.arg(field);
+                }
+            }
         }
         in_flight.push(async move { (on_node(conn, slot, cmd).await, users) });
     }
@@ -201,7 +216,7 @@ async fn check_delete_by_node(
         );
         checked.rechecked += elsewhere.len() as u64;
         conn.forget_slot_owners();
-        let more = check_delete_by_slot(conn, keys, Layout::Keys, server, elsewhere).await?;
+        let more = check_delete_by_slot(conn, keys, layout, server, elsewhere).await?;
         checked.merge(more);
     }
     Ok(checked)
@@ -216,13 +231,19 @@ type Group<'u> = (u16, Vec<&'u Vec<u8>>);
 fn by_master<'u>(
     owners: &crate::conn::SlotOwners,
     keys: &Keys,
+    layout: Layout,
     users: &'u [Vec<u8>],
 ) -> (Vec<Group<'u>>, Vec<&'u Vec<u8>>) {
     let mut groups: Vec<Option<Group>> = Vec::new();
     groups.resize_with(owners.masters(), || None);
     let mut elsewhere = Vec::new();
     for u in users {
-        let slot = crate::conn::key_slot(&keys.user(u));
+        // A member with no forward key (layout conns, no `<connection> <user>`) has no
+        // entry: the caller left it out.
+        let Some((key, _)) = keys.forward_of_member(layout, u) else {
+            continue;
+        };
+        let slot = crate::conn::key_slot(&key);
         match owners.master_of(slot) {
             Some(m) => groups[m as usize]
                 .get_or_insert_with(|| (slot, Vec::new()))
@@ -275,6 +296,36 @@ async fn check_delete_by_slot(
                 call.arg(*u);
             }
             calls.push((call, users));
+        }
+        Layout::Conns => {
+            // Members `<connection> <user>`, grouped by the slot of their user's Hash; a
+            // member of another shape has no entry (reported absent).
+            let mut by_slot: std::collections::HashMap<u16, Vec<&Vec<u8>>> =
+                std::collections::HashMap::new();
+            let mut odd = Vec::new();
+            for (i, m) in users.iter().enumerate() {
+                match keys.forward_of_member(Layout::Conns, m) {
+                    Some((key, _)) => by_slot
+                        .entry(crate::conn::key_slot(&key))
+                        .or_default()
+                        .push(*m),
+                    None => odd.push(i),
+                }
+            }
+            for i in odd {
+                checked.absent_users.push(users[i].clone());
+            }
+            for members in by_slot.into_values() {
+                let mut call = CHECK_DELETE.prepare_invoke();
+                call.arg(server.as_str()).arg("conns");
+                for m in &members {
+                    if let Some((key, Some(connection))) = keys.forward_of_member(Layout::Conns, m)
+                    {
+                        call.key(key).arg(connection);
+                    }
+                }
+                calls.push((call, members));
+            }
         }
         Layout::Keys => {
             let mut by_slot: std::collections::HashMap<u16, Vec<&Vec<u8>>> =

@@ -3,22 +3,84 @@
 -- unpack() is bounded by Lua's C stack (8000 slots): lists go to Redis in batches.
 local BATCH = 1000
 
+-- Layout `conns`: a reverse-set member is `<connection id> <user id>` (split at the first
+-- space: a connection id has none), and the forward entry is field <connection id> of the
+-- user's Hash `<key_prefix>user:{<user id>}:conns`. A member is split once per script
+-- (the check, the delete and the announcement each need its parts), its parts kept in
+-- flat tables by member: no table per member.
+local CONN_ID, CONN_USER, CONN_KEY = {}, {}, {}
+
+-- The connection id and the user id of `member`, or nil for a member without a space
+-- (not one of this layout).
+local function conn_parts(member)
+  local connection = CONN_ID[member]
+  if connection == nil then
+    local at = string.find(member, ' ', 1, true)
+    if at and at > 1 then
+      connection = string.sub(member, 1, at - 1)
+      CONN_USER[member] = string.sub(member, at + 1)
+    else
+      connection = false
+    end
+    CONN_ID[member] = connection
+  end
+  if connection then return connection, CONN_USER[member] end
+end
+
+-- The connection id and the user's Hash of `member` (`user_prefix` is the same for every
+-- call of a script), or nil.
+local function conn_entry(member, user_prefix)
+  local connection, user = conn_parts(member)
+  if not connection then return nil end
+  local key = CONN_KEY[member]
+  if not key then
+    key = user_prefix .. '{' .. user .. '}:conns'
+    CONN_KEY[member] = key
+  end
+  return connection, key
+end
+
 -- The forward entries (owner server ids, false where none) of members[first..last].
-local function owners_of(members, first, last, hash_layout, registry_key, user_prefix)
-  if hash_layout then
+-- `layout` is 'hash', 'keys' or 'conns' (the setting).
+local function owners_of(members, first, last, layout, registry_key, user_prefix)
+  if layout == 'hash' then
     return redis.call('HMGET', registry_key, unpack(members, first, last))
+  end
+  if layout == 'conns' then
+    local owners = {}
+    for i = first, last do
+      local owner = false
+      local connection, key = conn_entry(members[i], user_prefix)
+      if connection then
+        -- A key of another type is no entry of this layout (MGET reads it so too).
+        owner = redis.pcall('HGET', key, connection)
+        if type(owner) ~= 'string' then owner = false end
+      end
+      owners[#owners + 1] = owner
+    end
+    return owners
   end
   local forward = {}
   for i = first, last do forward[#forward + 1] = user_prefix .. members[i] end
   return redis.call('MGET', unpack(forward))
 end
 
--- Deletes the forward entries of `users` (already checked by the caller, in this script).
-local function delete_forward(users, hash_layout, registry_key, user_prefix)
-  if #users == 0 then return 0 end
-  if hash_layout then return redis.call('HDEL', registry_key, unpack(users)) end
+-- Deletes the forward entries of `members` (already checked by the caller, in this
+-- script). Layout `conns`: one HDEL of the connection's field each; Redis deletes the
+-- user's Hash with its last field, so no empty Hash is left.
+local function delete_forward(members, layout, registry_key, user_prefix)
+  if #members == 0 then return 0 end
+  if layout == 'hash' then return redis.call('HDEL', registry_key, unpack(members)) end
+  if layout == 'conns' then
+    local deleted = 0
+    for i = 1, #members do
+      local connection, key = conn_entry(members[i], user_prefix)
+      if connection then deleted = deleted + redis.call('HDEL', key, connection) end
+    end
+    return deleted
+  end
   local forward = {}
-  for i = 1, #users do forward[i] = user_prefix .. users[i] end
+  for i = 1, #members do forward[i] = user_prefix .. members[i] end
   return redis.call('DEL', unpack(forward))
 end
 

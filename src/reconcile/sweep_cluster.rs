@@ -42,7 +42,7 @@ impl Reconciler {
             .await?;
         match self.settings.layout {
             Layout::Hash => self.sweep_hash_on_cluster(pause, stop, &mut report).await?,
-            Layout::Keys => {
+            Layout::Keys | Layout::Conns => {
                 let masters = self
                     .watch()
                     .retrying("listing the cluster's masters", stop, || {
@@ -157,7 +157,9 @@ impl Reconciler {
     }
 
     /// Layout keys: SCAN of `user:*` on one master over a connection of its own (SCAN is
-    /// per node), then one GET per key, pipelined on that connection.
+    /// per node), then one GET per key, pipelined on that connection. Layout conns: SCAN
+    /// of the Hashes `user:{*}:conns`, then one HGETALL per Hash; each field goes on as
+    /// the member `<connection> <user>`.
     async fn sweep_keys_on_node(
         &self,
         node: &RedisConn,
@@ -166,12 +168,20 @@ impl Reconciler {
         report: &mut SweepReport,
     ) -> Result<()> {
         let watch = self.watch();
-        let pattern = crate::keys::pattern_under(&self.keys.user_key_prefix());
+        let conns = self.settings.layout == Layout::Conns;
+        let pattern = if conns {
+            self.keys.user_conns_pattern()
+        } else {
+            crate::keys::pattern_under(&self.keys.user_key_prefix())
+        };
         let user_prefix = self.keys.user_key_prefix().into_bytes();
         let mut cursor = 0u64;
         loop {
             let (next, pairs) = watch
                 .retrying("drift sweep", stop, || async {
+                    if conns {
+                        return self.conns_page(node, cursor, &pattern).await;
+                    }
                     let (next, found) = conn::scan_page(
                         node,
                         cursor,
@@ -203,6 +213,45 @@ impl Reconciler {
             cursor = next;
             pause_or_stop(pause, stop).await?;
         }
+    }
+
+    /// One page of the conns sweep on `node`: (next cursor, (member, owner) pairs).
+    async fn conns_page(
+        &self,
+        node: &RedisConn,
+        cursor: u64,
+        pattern: &str,
+    ) -> Result<(u64, Vec<(Vec<u8>, Vec<u8>)>)> {
+        let (next, found) = conn::scan_page(
+            node,
+            cursor,
+            pattern,
+            self.settings.sweep_count,
+            Some("hash"),
+        )
+        .await?;
+        let head = self.keys.user_key_prefix().len() + 1;
+        let reads = found
+            .iter()
+            .map(|k| redis::cmd("HGETALL").arg(k).to_owned())
+            .collect();
+        let fields: Vec<Vec<(Vec<u8>, Vec<u8>)>> = conn::each_in_flight(node, reads).await?;
+        let mut pairs = Vec::new();
+        for (key, fields) in found.iter().zip(fields) {
+            let Some(user) = key
+                .get(head..key.len().saturating_sub(b"}:conns".len()))
+                .filter(|_| key.len() >= head + b"}:conns".len())
+            else {
+                continue;
+            };
+            for (connection, owner) in fields {
+                let Ok(connection) = std::str::from_utf8(&connection) else {
+                    continue;
+                };
+                pairs.push((crate::keys::conn_member(connection, user), owner));
+            }
+        }
+        Ok((next, pairs))
     }
 
     /// Of (user, owner) pairs read by a sweep step, deletes (atomically re-checked) the
@@ -306,9 +355,10 @@ impl Reconciler {
     /// Announces the users whose entries of `owner` the cluster sweep deleted, retried
     /// through transient states.
     async fn announce_sweep(&self, owner: &ServerId, users: &[Vec<u8>]) -> Result<()> {
-        let entries = crate::evictions::announce_evicted(
+        let entries = crate::evictions::announce_members(
             &self.conn,
             &self.keys,
+            self.settings.layout,
             owner,
             "",
             crate::evictions::Source::Sweep,

@@ -1,6 +1,7 @@
 -- One step of the drift sweep over the forward registry (see reconcile.rs).
 --
--- Scans the next COUNT entries (HSCAN of `registry`, or SCAN of `user:*`) from the cursor
+-- Scans the next COUNT entries (HSCAN of `registry`, SCAN of `user:*`, or
+-- SCAN of the Hashes `user:{*}:conns`, each entry a connection) from the cursor
 -- stored in the sweep hash, and deletes every entry whose owner is dead: fenced (declared
 -- dead for good), or no liveness key and no heartbeat in `servers` newer than the cutoff. Such entries are stale whether or
 -- not an index still lists them (their reverse set may have been lost). Owner lookups
@@ -11,14 +12,14 @@
 -- empty event_id (no `server.dead` caused it), in this same script.
 --
 -- KEYS[1] registry  KEYS[2] sweep hash (janitor's own)  KEYS[3] servers  KEYS[4] evictions
--- ARGV[1] 'hash' or 'keys'  ARGV[2] COUNT  ARGV[3] key prefix  ARGV[4] cutoff (unix ms)
--- ARGV[5] MATCH pattern of forward keys (layout keys)  ARGV[6] cursor, or '' for the stored one
+-- ARGV[1] 'hash', 'keys' or 'conns'  ARGV[2] COUNT  ARGV[3] key prefix  ARGV[4] cutoff (unix ms)
+-- ARGV[5] MATCH pattern of forward keys (layouts keys and conns)  ARGV[6] cursor, or '' for the stored one
 -- ARGV[7] '1' while Redis has not been reachable for a full grace since its last outage
 --         (src/guard/reachable.rs): only entries of fenced owners are deleted then
 -- Returns {next cursor, entries scanned, entries removed, evictions entries written}
 
 local registry_key, sweep_key, servers_key = KEYS[1], KEYS[2], KEYS[3]
-local hash_layout = ARGV[1] == 'hash'
+local layout = ARGV[1]
 local prefix, cutoff = ARGV[3], tonumber(ARGV[4])
 local cursor = ARGV[6]
 local holding = ARGV[7] == '1'
@@ -29,12 +30,27 @@ if cursor == '' then cursor = redis.call('HGET', sweep_key, 'cursor') or '0' end
 
 local users, owners = {}, {}
 local next_cursor
-if hash_layout then
+if layout == 'hash' then
   local r = redis.call('HSCAN', registry_key, cursor, 'COUNT', ARGV[2])
   next_cursor = r[1]
   for i = 1, #r[2], 2 do
     users[#users + 1] = r[2][i]
     owners[#owners + 1] = r[2][i + 1]
+  end
+elseif layout == 'conns' then
+  -- Each user's Hash `user:{<user>}:conns`, read whole (a user holds a few connections);
+  -- its entries go on as members `<connection id> <user id>`, as the reverse sets hold them.
+  local r = redis.call('SCAN', cursor, 'MATCH', ARGV[5], 'COUNT', ARGV[2], 'TYPE', 'hash')
+  next_cursor = r[1]
+  local head = #prefix + #'user:{' + 1
+  for i = 1, #r[2] do
+    local key = r[2][i]
+    local user = string.sub(key, head, #key - #'}:conns')
+    local fields = redis.call('HGETALL', key)
+    for j = 1, #fields, 2 do
+      users[#users + 1] = fields[j] .. ' ' .. user
+      owners[#owners + 1] = fields[j + 1]
+    end
   end
 else
   local r = redis.call('SCAN', cursor, 'MATCH', ARGV[5], 'COUNT', ARGV[2], 'TYPE', 'string')
@@ -80,12 +96,12 @@ end
 local removed = 0
 for first = 1, #doomed, BATCH do
   local batch = {unpack(doomed, first, math.min(first + BATCH - 1, #doomed))}
-  removed = removed + delete_forward(batch, hash_layout, registry_key, prefix .. 'user:')
+  removed = removed + delete_forward(batch, layout, registry_key, prefix .. 'user:')
 end
 -- Every doomed entry was read in this script and deleted by it: announce them all.
 local announced = 0
 for _, owner in ipairs(owner_order) do
-  announced = announced + announce_evicted(evictions, owner, '', 'sweep', by_owner[owner])
+  announced = announced + announce_members(evictions, owner, '', 'sweep', by_owner[owner], layout)
 end
 redis.call('HSET', sweep_key, 'cursor', next_cursor)
 return {next_cursor, #users, removed, announced}

@@ -15,11 +15,11 @@
 -- Read and move are one atomic script.
 --
 -- KEYS[1] server:{S}:users  KEYS[2] registry  KEYS[3] server:{S}:moved
--- ARGV[1] server id  ARGV[2] cursor  ARGV[3] COUNT  ARGV[4] 'hash' or 'keys'
+-- ARGV[1] server id  ARGV[2] cursor  ARGV[3] COUNT  ARGV[4] 'hash', 'keys' or 'conns'
 -- ARGV[5] forward key prefix (<key_prefix>user:)  ARGV[6] grace period (ms)
 -- Returns {next cursor, members scanned, members set aside}
 
-local hash_layout = ARGV[4] == 'hash'
+local layout = ARGV[4]
 local time = redis.call('TIME')
 local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 
@@ -28,7 +28,7 @@ local settled = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now_ms - tonumber(A
   'LIMIT', 0, ARGV[3])
 for first = 1, #settled, BATCH do
   local last = math.min(first + BATCH - 1, #settled)
-  local owners = owners_of(settled, first, last, hash_layout, KEYS[2], ARGV[5])
+  local owners = owners_of(settled, first, last, layout, KEYS[2], ARGV[5])
   for i = 1, #owners do
     if owners[i] == ARGV[1] then redis.call('SADD', KEYS[1], settled[first + i - 1]) end
   end
@@ -40,7 +40,7 @@ local members = r[2]
 local removed = 0
 for first = 1, #members, BATCH do
   local last = math.min(first + BATCH - 1, #members)
-  local owners = owners_of(members, first, last, hash_layout, KEYS[2], ARGV[5])
+  local owners = owners_of(members, first, last, layout, KEYS[2], ARGV[5])
   local moved = {}
   for i = 1, #owners do
     if owners[i] and owners[i] ~= ARGV[1] then

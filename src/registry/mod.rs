@@ -13,6 +13,15 @@
 //! | route        | route.lua       | the owner, unless fenced or not alive (reads only)     |
 //! | (cluster)    | release.lua     | forward entry deleted only if it names the server     |
 //!
+//! Layout `conns` (a user with several connections; docs/connections.md) has its own
+//! scripts, with the same fence rules; see [`conns`](self::conns):
+//!
+//! | operation           | script              | what it does                                |
+//! |---------------------|---------------------|---------------------------------------------|
+//! | register_connection | register_conn.lua   | fence check, the connection's field, member |
+//! | unregister_connection | unregister_conn.lua | field if still ours, fence check, SREM    |
+//! | route_user          | route_user.lua      | every live server of the user's connections |
+//!
 //! Once a worker takes `server.dead` for S, S is fenced (`server:{S}:fenced`, see
 //! [`crate::fence`]): every register, heartbeat and unregister of S is refused with the
 //! Redis error `FENCED`, which [`Registry`] returns as [`Error::Fenced`]. A connection
@@ -57,7 +66,10 @@ static HEARTBEAT: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(include_str!("../../protocol/heartbeat.lua")));
 static UNREGISTER: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(include_str!("../../protocol/unregister.lua")));
+mod conns;
 mod route;
+
+pub use conns::validate_connection_id;
 
 pub use route::have_liveness_keys;
 
@@ -96,17 +108,45 @@ impl Registry {
         &self.keys
     }
 
-    /// The key that holds `user`'s forward entry: `registry` or `user:<user>`.
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    /// The key that holds `user`'s forward entry: `registry` or `user:<user>`; in layout
+    /// `conns`, `user` is a member `<connection id> <user id>` and this is the user's Hash.
     fn forward_key(&self, user: &[u8]) -> Vec<u8> {
         match self.layout {
             Layout::Hash => self.keys.registry().into_bytes(),
             Layout::Keys => self.keys.user(user),
+            Layout::Conns => match crate::keys::split_conn_member(user) {
+                Some((_, u)) => self.keys.user_conns(u),
+                None => self.keys.user_conns(user),
+            },
         }
     }
 
-    /// The plain write of `user`'s forward entry naming `server` (HSET or SET).
+    /// Layout `conns`: `user` must be a member `<connection id> <user id>` with a valid
+    /// connection id; other layouts take any user id.
+    fn check_entry(&self, user: &[u8]) -> Result<()> {
+        if self.layout == Layout::Conns {
+            let (connection, _) = conns::member_parts(user)?;
+            validate_connection_id(connection)?;
+        }
+        Ok(())
+    }
+
+    /// The plain write of `user`'s forward entry naming `server` (HSET or SET; layout
+    /// `conns`: `user` is a member, HSET of its connection's field).
     fn forward_write(&self, user: &[u8], server: &ServerId) -> redis::Cmd {
         match self.layout {
+            Layout::Conns => {
+                let (connection, u) = crate::keys::split_conn_member(user).unwrap_or((b"", user));
+                redis::cmd("HSET")
+                    .arg(self.keys.user_conns(u))
+                    .arg(connection)
+                    .arg(server.as_str())
+                    .to_owned()
+            }
             Layout::Hash => redis::cmd("HSET")
                 .arg(self.keys.registry())
                 .arg(user)
@@ -139,7 +179,8 @@ impl Registry {
     }
 
     /// Adds the commands that register `user` on `server` to `pipe` (for bulk loads; the
-    /// plain writes, without a fence check).
+    /// plain writes, without a fence check). Layout `conns`: `user` must be a member
+    /// `<connection id> <user id>` ([`Registry::register_many`] checks).
     pub fn add_register(&self, pipe: &mut redis::Pipeline, user: &[u8], server: &ServerId) {
         pipe.add_command(self.forward_write(user, server))
             .ignore()
@@ -150,7 +191,16 @@ impl Registry {
     /// Registers `user` on `server` (register.lua): refused with [`Error::Fenced`] once
     /// `server` is fenced. One atomic step on one node; on a cluster the forward entry
     /// first, then the member with the fence check (undone if refused; see the module docs).
+    ///
+    /// Layout `conns`: `user` is a member `<connection id> <user id>`, registered with
+    /// [`Registry::register_connection`].
     pub async fn register(&self, conn: &RedisConn, user: &[u8], server: &ServerId) -> Result<()> {
+        if self.layout == Layout::Conns {
+            let (connection, user) = conns::member_parts(user)?;
+            return self
+                .register_connection(conn, user, connection, server)
+                .await;
+        }
         let mut call = self.member_call(&REGISTER, user, server);
         if conn.is_cluster() {
             // A server already fenced writes no forward entry: that write would replace
@@ -188,6 +238,7 @@ impl Registry {
         user: &[u8],
         server: &ServerId,
     ) -> Result<()> {
+        self.check_entry(user)?;
         let mut reverse = redis::cmd("SADD");
         reverse.arg(self.keys.server_users(server)).arg(user);
         // Forward entry first: the order that matters on a cluster (see the module docs).
@@ -208,6 +259,9 @@ impl Registry {
         batch: usize,
     ) -> Result<()> {
         let users: Vec<&[u8]> = users.into_iter().collect();
+        for user in &users {
+            self.check_entry(user)?;
+        }
         for chunk in users.chunks(batch.max(1)) {
             if conn.is_cluster() {
                 self.register_chunk_on_cluster(conn, chunk, server).await?;
@@ -239,15 +293,10 @@ impl Registry {
                 }
                 let () = hset.query_async(&mut conn.clone()).await?;
             }
-            Layout::Keys => {
+            Layout::Keys | Layout::Conns => {
                 let sets = users
                     .iter()
-                    .map(|u| {
-                        redis::cmd("SET")
-                            .arg(self.keys.user(u))
-                            .arg(server.as_str())
-                            .to_owned()
-                    })
+                    .map(|u| self.forward_write(u, server))
                     .collect();
                 let _: Vec<()> = crate::conn::each_in_flight(conn, sets).await?;
             }
@@ -263,7 +312,14 @@ impl Registry {
     /// A clean disconnect (unregister.lua): drops the forward entry if it still names
     /// `server`, then removes the user from the server's reverse set. A fenced server
     /// still loses the forward entry, gets [`Error::Fenced`] and writes no member.
+    /// Layout `conns`: `user` is a member, see [`Registry::unregister_connection`].
     pub async fn unregister(&self, conn: &RedisConn, user: &[u8], server: &ServerId) -> Result<()> {
+        if self.layout == Layout::Conns {
+            let (connection, user) = conns::member_parts(user)?;
+            return self
+                .unregister_connection(conn, user, connection, server)
+                .await;
+        }
         let mut call = self.member_call(&UNREGISTER, user, server);
         if conn.is_cluster() {
             self.release(conn, user, server).await?;

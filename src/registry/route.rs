@@ -49,8 +49,12 @@ impl Registry {
     /// two single-slot steps: the owner, then its fence and liveness keys. A cluster
     /// reached through a plain connection refuses route.lua (`no-cluster`):
     /// [`Error::Protocol`], saying to connect as a cluster.
+    ///
+    /// Layout `conns`: `user` is a member `<connection id> <user id>` and this routes
+    /// that one connection (two steps on every topology); see [`Registry::route_user`]
+    /// for every connection of a user.
     pub async fn route(&self, conn: &RedisConn, user: &[u8]) -> Result<Option<String>> {
-        if !conn.is_cluster() {
+        if !conn.is_cluster() && self.layout != Layout::Conns {
             return self.route_on_node(conn, user).await;
         }
         let Some(owner) = self.owner(conn, user).await? else {
@@ -67,58 +71,90 @@ impl Registry {
         Ok((alive && !fenced).then_some(owner))
     }
 
-    /// [`Registry::route`] on one node: route.lua as EVALSHA_RO (loaded first if Redis
-    /// does not have it). Where EVALSHA_RO is refused (a proxy that does not know it, an
-    /// ACL user without it), as EVALSHA from then on.
+    /// [`Registry::route`] on one node: route.lua, read-only (see [`Registry::read_only`]).
     async fn route_on_node(&self, conn: &RedisConn, user: &[u8]) -> Result<Option<String>> {
-        let forward = self.forward_key(user);
-        let call = |command: &str| {
-            redis::cmd(command)
-                .arg(ROUTE.get_hash())
-                .arg(1)
-                .arg(&forward)
-                .arg(user)
-                .arg(self.layout.as_str())
-                .arg(self.keys.prefix())
-                .to_owned()
+        let Routed(owner) = self
+            .read_only(
+                conn,
+                &ROUTE,
+                "route.lua",
+                &self.forward_key(user),
+                &[
+                    user,
+                    self.layout.as_str().as_bytes(),
+                    self.keys.prefix().as_bytes(),
+                ],
+            )
+            .await?;
+        Ok(owner)
+    }
+
+    /// Runs a protocol script that only reads (`no-writes,no-cluster`) on one node, with
+    /// one key: as EVALSHA_RO (so that it runs on a replica too), loading it first if
+    /// Redis does not have it. Where EVALSHA_RO is refused (a server or proxy that does
+    /// not know it, an ACL user without it), as EVALSHA, from then on once EVALSHA
+    /// answers. A cluster reached through a plain connection refuses the script:
+    /// [`Error::Protocol`], saying to connect as a cluster.
+    pub(super) async fn read_only<T: redis::FromRedisValue>(
+        &self,
+        conn: &RedisConn,
+        script: &redis::Script,
+        name: &str,
+        key: &[u8],
+        args: &[&[u8]],
+    ) -> Result<T> {
+        let run = |command: &'static str| async move {
+            let mut call = redis::cmd(command);
+            call.arg(script.get_hash()).arg(1).arg(key);
+            for arg in args {
+                call.arg(*arg);
+            }
+            match call.query_async::<T>(&mut conn.clone()).await {
+                Err(e)
+                    if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
+                {
+                    script.load_async(&mut conn.clone()).await?;
+                    call.query_async::<T>(&mut conn.clone()).await
+                }
+                other => other,
+            }
         };
         let read_only = !self.read_only_refused.load(Ordering::Relaxed);
-        let command = if read_only { "EVALSHA_RO" } else { "EVALSHA" };
-        let routed = match call(command).query_async::<Routed>(&mut conn.clone()).await {
-            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
-                ROUTE.load_async(&mut conn.clone()).await?;
-                call(command).query_async(&mut conn.clone()).await
-            }
+        let reply = match run(if read_only { "EVALSHA_RO" } else { "EVALSHA" }).await {
             Err(e) if read_only && may_refuse_command(&e) => {
-                let mut call = ROUTE.prepare_invoke();
-                call.key(&forward)
-                    .arg(user)
-                    .arg(self.layout.as_str())
-                    .arg(self.keys.prefix());
-                let routed = call.invoke_async(&mut conn.clone()).await;
-                if routed.is_ok() {
+                let reply = run("EVALSHA").await;
+                if reply.is_ok() {
                     self.read_only_refused.store(true, Ordering::Relaxed);
                 }
-                routed
+                reply
             }
             other => other,
         };
-        match routed {
-            Ok(Routed(owner)) => Ok(owner),
-            Err(e) if refused_on_cluster(&e) => {
-                Err(Error::Protocol(format!(
-                    "route.lua runs on one Redis node only ({e}): this Redis is a cluster; \
-                     connect to it as a cluster (setting `redis_cluster`), where route reads the owner, then its fence and \
-                     liveness keys, in single-slot steps"
-                )))
-            }
-            Err(e) => Err(e.into()),
-        }
+        reply.map_err(|e| match refused_on_cluster(&e) {
+            true => Error::Protocol(format!(
+                "{name} runs on one Redis node only ({e}): this Redis is a cluster; connect \
+                 to it as a cluster (setting `redis_cluster`), where the lookup runs in \
+                 single-slot steps: the forward entry, then each owner's fence and liveness \
+                 keys"
+            )),
+            false => e.into(),
+        })
     }
 
-    /// The server a user's forward entry names, if any.
+    /// The server a user's forward entry names, if any (layout `conns`: `user` is a
+    /// member `<connection id> <user id>`, and this is its connection's server).
     pub async fn owner(&self, conn: &RedisConn, user: &[u8]) -> Result<Option<String>> {
         let owner: Option<String> = match self.layout {
+            Layout::Conns => {
+                let Some((key, field)) = self.keys.forward_of_member(self.layout, user) else {
+                    return Ok(None);
+                };
+                redis::cmd("HGET")
+                    .arg(key)
+                    .arg(field)
+                    .query_async(&mut conn.clone())
+                    .await?
+            }
             Layout::Hash => {
                 redis::cmd("HGET")
                     .arg(self.keys.registry())
@@ -136,7 +172,8 @@ impl Registry {
         Ok(owner)
     }
 
-    /// Owners of many users at once (HMGET or MGET), in order.
+    /// Owners of many users at once (HMGET or MGET; layout `conns`: one HGET per member),
+    /// in order.
     pub async fn owners(&self, conn: &RedisConn, users: &[Vec<u8>]) -> Result<Vec<Option<String>>> {
         self.owners_as(conn, users).await
     }
@@ -158,6 +195,21 @@ impl Registry {
                     .arg(users)
                     .query_async(&mut conn.clone())
                     .await?
+            }
+            Layout::Conns => {
+                // One HGET per member (a member that is no `<connection> <user>` reads the
+                // Hash `user:{<member>}:conns`'s empty field: none).
+                let gets = users
+                    .iter()
+                    .map(|m| {
+                        let (key, field) = self
+                            .keys
+                            .forward_of_member(self.layout, m)
+                            .unwrap_or_else(|| (self.keys.user_conns(m), Some(Vec::new())));
+                        redis::cmd("HGET").arg(key).arg(field).to_owned()
+                    })
+                    .collect();
+                crate::conn::each_in_flight(conn, gets).await?
             }
             Layout::Keys if conn.is_cluster() => {
                 // No MGET across slots: one GET per user, many in flight, in order.

@@ -86,6 +86,34 @@ pub fn user(server: &ServerId, n: usize) -> Vec<u8> {
     format!("u{n}@{server}").into_bytes()
 }
 
+/// The `n`th entry of `server` as the registry's calls take it: the user `user(server,
+/// n)`, or in layout `conns` its connection `c<n>`, as the member `c<n> <user>`.
+pub fn entry(layout: Layout, server: &ServerId, n: usize) -> Vec<u8> {
+    match layout {
+        Layout::Conns => registry_janitor::keys::conn_member(&format!("c{n}"), &user(server, n)),
+        _ => user(server, n),
+    }
+}
+
+/// `user` as the registry's calls take it: itself, or in layout `conns` its connection
+/// `c`, as the member `c <user>`.
+pub fn as_entry(layout: Layout, user: &[u8]) -> Vec<u8> {
+    match layout {
+        Layout::Conns => registry_janitor::keys::conn_member("c", user),
+        _ => user.to_vec(),
+    }
+}
+
+/// The plain write of `entry`'s forward entry naming `owner` (HSET registry, SET
+/// user:<user>, or HSET of the connection's field in layout `conns`).
+pub fn forward_write(keys: &Keys, layout: Layout, entry: &[u8], owner: &str) -> redis::Cmd {
+    match keys.forward_of_member(layout, entry) {
+        Some((key, Some(field))) => redis::cmd("HSET").arg(key).arg(field).arg(owner).to_owned(),
+        Some((key, None)) => redis::cmd("SET").arg(key).arg(owner).to_owned(),
+        None => panic!("{entry:?} is no entry of layout {layout:?}"),
+    }
+}
+
 /// What almost every test starts with: a private Redis, settings under a fresh prefix,
 /// a connection, the key names and the registry. Fields drop in order: Redis last.
 pub struct Fixture {
@@ -173,7 +201,9 @@ impl Fixture {
 /// Registers `users` users on `server` and heartbeats it.
 pub async fn seed(registry: &Registry, conn: &RedisConn, server: &ServerId, users: usize) {
     registry.heartbeat(conn, server, 60_000).await.unwrap();
-    let ids: Vec<Vec<u8>> = (0..users).map(|n| user(server, n)).collect();
+    let ids: Vec<Vec<u8>> = (0..users)
+        .map(|n| entry(registry.layout(), server, n))
+        .collect();
     registry
         .register_many(conn, ids.iter().map(Vec::as_slice), server, 1000)
         .await
@@ -347,7 +377,7 @@ pub async fn still_pointing(
     let mut n = 0;
     for start in (0..users).step_by(1000) {
         let ids: Vec<Vec<u8>> = (start..users.min(start + 1000))
-            .map(|i| user(server, i))
+            .map(|i| entry(registry.layout(), server, i))
             .collect();
         let owners = registry.owners(conn, &ids).await.unwrap();
         n += owners
@@ -383,13 +413,7 @@ pub fn janitor(settings: &Settings) -> Command {
         .env("PATH", std::env::var_os("PATH").unwrap_or_default())
         .env("JANITOR_REDIS_URL", &settings.redis_url)
         .env("JANITOR_KEY_PREFIX", &settings.key_prefix)
-        .env(
-            "JANITOR_LAYOUT",
-            match settings.layout {
-                Layout::Hash => "hash",
-                Layout::Keys => "keys",
-            },
-        )
+        .env("JANITOR_LAYOUT", settings.layout.as_str())
         .env("JANITOR_CHUNK_SIZE", settings.chunk_size.to_string())
         .env("JANITOR_BLOCK_MS", settings.block_ms.to_string())
         .env(
@@ -601,7 +625,12 @@ pub async fn register_until_acked(
 ) -> Vec<Vec<u8>> {
     let mut before_ack = Vec::new();
     for n in 0.. {
-        let u = format!("late-{n}").into_bytes();
+        let u = match registry.layout() {
+            Layout::Conns => {
+                registry_janitor::keys::conn_member("late", format!("late-{n}").as_bytes())
+            }
+            _ => format!("late-{n}").into_bytes(),
+        };
         // The original protocol (no fence check): its late writes are cleaned before the
         // acknowledgement, though the writer is never told.
         registry.register_legacy(conn, &u, server).await.unwrap();
@@ -710,6 +739,11 @@ pub async fn reconnect_telling(
             if ARGV[3] == 'hash' then
               old = redis.call('HGET', KEYS[1], ARGV[1])
               redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+            elseif ARGV[3] == 'conns' then
+              local at = string.find(ARGV[1], ' ', 1, true)
+              local connection = string.sub(ARGV[1], 1, at - 1)
+              old = redis.call('HGET', KEYS[1], connection)
+              redis.call('HSET', KEYS[1], connection, ARGV[2])
             else
               old = redis.call('GET', KEYS[1])
               redis.call('SET', KEYS[1], ARGV[2])
@@ -718,10 +752,10 @@ pub async fn reconnect_telling(
             return old",
         )
     });
-    let forward = match layout {
-        Layout::Hash => keys.registry().into_bytes(),
-        Layout::Keys => keys.user(user),
-    };
+    let forward = keys
+        .forward_of_member(layout, user)
+        .expect("a member of the layout")
+        .0;
     let mut call = MOVE.prepare_invoke();
     call.key(forward)
         .key(keys.server_users(to))
@@ -766,6 +800,24 @@ pub async fn evictions_of(
                     users.len()
                 );
                 evicted.extend(users.into_iter().map(|u| (server_id.clone(), u)));
+            }
+            // Layout conns: each pair as the member `<connection> <user>`.
+            Some(Eviction::ConnectionsEvicted {
+                server_id,
+                connections,
+                ..
+            }) => {
+                assert!(
+                    connections.len() <= registry_janitor::evictions::MAX_USERS_PER_ENTRY,
+                    "{id}: {} connections in one entry",
+                    connections.len()
+                );
+                evicted.extend(connections.into_iter().map(|(u, c)| {
+                    (
+                        server_id.clone(),
+                        registry_janitor::keys::conn_member(&c, &u),
+                    )
+                }));
             }
             Some(c @ Eviction::Cleaned { .. }) => cleaned.push(c),
             None => panic!("entry {id} of the evictions stream does not decode"),

@@ -62,14 +62,7 @@ fn bench(layout: Layout) {
     // The ceiling is wrong on purpose: it deletes the entries of users who moved (1%).
     assert_eq!(run("unconditional")["live_lost"], 200);
     fencing_figures(&report, 2000);
-    assert_eq!(
-        report["layout"],
-        if layout == Layout::Hash {
-            "hash"
-        } else {
-            "keys"
-        }
-    );
+    assert_eq!(report["layout"], layout.as_str());
     let keys: Vec<String> = {
         let client = redis::Client::open(redis.url()).unwrap();
         let mut c = client.get_connection().unwrap();
@@ -112,6 +105,11 @@ fn bench_verifies_every_run_hash_layout() {
 #[test]
 fn bench_verifies_every_run_keys_layout() {
     bench(Layout::Keys);
+}
+
+#[test]
+fn bench_verifies_every_run_conns_layout() {
+    bench(Layout::Conns);
 }
 
 /// The bench on a private local cluster (`--local-cluster`), layout keys (the per-slot

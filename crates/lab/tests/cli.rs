@@ -19,7 +19,7 @@ fn run(cmd: &mut Command) -> (i32, String, String) {
     )
 }
 
-/// `demo`, as a new user runs it: on the test's own Redis (both layouts), and with
+/// `demo`, as a new user runs it: on the test's own Redis (every layout), and with
 /// `--local-cluster` on a private local cluster it starts itself. Each run seeds, kills,
 /// cleans with users reconnecting meanwhile, verifies the registry and the evictions
 /// stream, says `verified`, and leaves no key behind.
@@ -27,9 +27,17 @@ fn run(cmd: &mut Command) -> (i32, String, String) {
 fn the_demo_verifies_its_run_on_a_node_and_on_a_local_cluster() {
     let redis = redis();
     let small = ["--servers", "4", "--users", "3000", "--dead", "2"];
-    let mut runs: Vec<(Layout, bool)> = vec![(Layout::Hash, false), (Layout::Keys, false)];
+    let mut runs: Vec<(Layout, bool)> = vec![
+        (Layout::Hash, false),
+        (Layout::Keys, false),
+        (Layout::Conns, false),
+    ];
     if RedisCluster::supported() {
-        runs.extend([(Layout::Hash, true), (Layout::Keys, true)]);
+        runs.extend([
+            (Layout::Hash, true),
+            (Layout::Keys, true),
+            (Layout::Conns, true),
+        ]);
     } else {
         eprintln!("redis-server cannot run a local cluster here: the demo runs on one node only");
     }

@@ -107,21 +107,10 @@ pub(super) async fn probe_lookups(
         i += 1;
         let started = Instant::now();
         let at_ms = registry_janitor::now_ms();
-        let _: Option<String> = match layout {
-            Layout::Hash => {
-                redis::cmd("HGET")
-                    .arg(scene_keys.registry())
-                    .arg(user)
-                    .query_async(&mut c)
-                    .await?
-            }
-            Layout::Keys => {
-                redis::cmd("GET")
-                    .arg(scene_keys.user(user))
-                    .query_async(&mut c)
-                    .await?
-            }
-        };
+        let _: Option<String> =
+            crate::bench::runs::forward_cmd(&scene_keys, layout, user, "HGET", "GET")
+                .query_async(&mut c)
+                .await?;
         latencies.push((at_ms, started.elapsed().as_micros() as u64));
     }
     Ok(latencies)

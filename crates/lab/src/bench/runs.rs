@@ -243,6 +243,25 @@ async fn sscan(conn: &RedisConn, key: &str, cursor: u64) -> Result<(u64, Vec<Vec
         .await?)
 }
 
+/// `on_field` (HGET, HDEL) on the Hash field that holds member `m`'s entry (layouts
+/// `hash`, `conns`), or `on_key` (GET, DEL) on its key (layout `keys`).
+pub(crate) fn forward_cmd(
+    keys: &registry_janitor::keys::Keys,
+    layout: Layout,
+    m: &[u8],
+    on_field: &str,
+    on_key: &str,
+) -> redis::Cmd {
+    match keys.forward_of_member(layout, m) {
+        Some((key, Some(field))) => redis::cmd(on_field).arg(key).arg(field).to_owned(),
+        Some((key, None)) => redis::cmd(on_key).arg(key).to_owned(),
+        None => redis::cmd(on_field)
+            .arg(keys.user_conns(m))
+            .arg("")
+            .to_owned(),
+    }
+}
+
 async fn unconditional(conn: &RedisConn, scene: &Scene, layout: Layout) -> Result<()> {
     let set = scene.keys.server_users(&scene.dead);
     let mut in_flight = FuturesUnordered::new();
@@ -252,13 +271,7 @@ async fn unconditional(conn: &RedisConn, scene: &Scene, layout: Layout) -> Resul
         // One delete per user: a pipeline on one node, many in flight on a cluster.
         let deletes: Vec<redis::Cmd> = members
             .iter()
-            .map(|m| match layout {
-                Layout::Hash => redis::cmd("HDEL")
-                    .arg(scene.keys.registry())
-                    .arg(m)
-                    .to_owned(),
-                Layout::Keys => redis::cmd("DEL").arg(scene.keys.user(m)).to_owned(),
-            })
+            .map(|m| forward_cmd(&scene.keys, layout, m, "HDEL", "DEL"))
             .collect();
         let c = conn.clone();
         in_flight.push(async move { conn::each_in_flight::<i64>(&c, deletes).await });
@@ -312,37 +325,13 @@ async fn naive(conn: &RedisConn, scene: &Scene, layout: Layout) -> Result<()> {
     loop {
         let (next, members) = sscan(conn, &set, cursor).await?;
         for m in members {
-            let owner: Option<String> = match layout {
-                Layout::Hash => {
-                    redis::cmd("HGET")
-                        .arg(scene.keys.registry())
-                        .arg(&m)
-                        .query_async(&mut c)
-                        .await?
-                }
-                Layout::Keys => {
-                    redis::cmd("GET")
-                        .arg(scene.keys.user(&m))
-                        .query_async(&mut c)
-                        .await?
-                }
-            };
+            let owner: Option<String> = forward_cmd(&scene.keys, layout, &m, "HGET", "GET")
+                .query_async(&mut c)
+                .await?;
             if owner.as_deref() == Some(scene.dead.as_str()) {
-                let _: i64 = match layout {
-                    Layout::Hash => {
-                        redis::cmd("HDEL")
-                            .arg(scene.keys.registry())
-                            .arg(&m)
-                            .query_async(&mut c)
-                            .await?
-                    }
-                    Layout::Keys => {
-                        redis::cmd("DEL")
-                            .arg(scene.keys.user(&m))
-                            .query_async(&mut c)
-                            .await?
-                    }
-                };
+                let _: i64 = forward_cmd(&scene.keys, layout, &m, "HDEL", "DEL")
+                    .query_async(&mut c)
+                    .await?;
             }
             let _: i64 = redis::cmd("SREM")
                 .arg(&set)

@@ -8,6 +8,15 @@ use registry_janitor::{
 
 use super::Options;
 
+/// `user` as the registry's calls take it: itself, or in layout `conns` the member of its
+/// connection `c` (`c <user>`).
+pub(crate) fn as_entry(layout: registry_janitor::config::Layout, user: Vec<u8>) -> Vec<u8> {
+    match layout {
+        registry_janitor::config::Layout::Conns => registry_janitor::keys::conn_member("c", &user),
+        _ => user,
+    }
+}
+
 /// The registry of one run: a dead server, a live one, who moved.
 #[derive(Clone)]
 pub(super) struct Scene {
@@ -22,12 +31,14 @@ pub(super) struct Scene {
 }
 
 impl Scene {
+    /// The `n`th user of the dead server, `u<n>` (layout `conns`: its connection `c`).
     pub(super) fn dead_user(&self, n: usize) -> Vec<u8> {
-        format!("u{n}").into_bytes()
+        as_entry(self.registry.layout(), format!("u{n}").into_bytes())
     }
 
+    /// The `n`th user of the live server, `live<n>` (layout `conns`: its connection `c`).
     pub(super) fn live_user(&self, n: usize) -> Vec<u8> {
-        format!("live{n}").into_bytes()
+        as_entry(self.registry.layout(), format!("live{n}").into_bytes())
     }
 
     pub(super) fn moved(&self, n: usize) -> bool {

@@ -12,6 +12,12 @@
 //! 5. Verifies every seeded user: entries of users still on a dead server are gone,
 //!    users who moved kept their new entry, users of live servers kept theirs.
 //! 6. Deletes every key it created.
+//!
+//! In layout `conns` each seeded entry is a connection: the users of three consecutive
+//! servers are the same people (connection `c-<server>-<n>` of user `user-<n>-g<i/3>`),
+//! so most users hold 2-3 connections on different servers; a mover is a connection
+//! that moves. The verification also reads every user Hash left: none may name a dead
+//! server (nor be empty, which Redis does not keep).
 
 mod verify;
 
@@ -66,6 +72,9 @@ pub struct Summary {
     /// Announcements that do not match the deletes: a deleted user not announced, one
     /// announced twice, or one announced whose entry was never deleted (must be 0).
     pub evicted_wrong: u64,
+    /// Layout conns: user Hashes left, and the connections in them (None: another layout,
+    /// or a cluster, where the demo does not scan them).
+    pub user_hashes: Option<(u64, u64)>,
     /// From the first event published to the last one acknowledged.
     pub elapsed: Duration,
 }
@@ -110,6 +119,12 @@ impl fmt::Display for Summary {
                 "  evictions      {users:>10}  users announced in {entries} entries of the evictions stream \
                  (= deleted + {} who came back after their eviction; {} wrong, must be 0)",
                 self.evicted_then_back, self.evicted_wrong
+            )?;
+        }
+        if let Some((hashes, connections)) = self.user_hashes {
+            writeln!(
+                f,
+                "  users          {hashes:>10}  user Hashes left (layout conns), {connections} connections, none naming a dead server"
             )?;
         }
         writeln!(f, "  stale left     {:>10}  (must be 0)", self.stale)?;
@@ -162,7 +177,7 @@ async fn run_in(
     let (dead, live) = servers.split_at(options.dead);
     seed(&registry, conn, &servers, options.users).await?;
 
-    let (movers, racing) = movers(options, dead, live);
+    let (movers, racing) = movers(options, settings.layout, dead, live);
     for (user, to) in &movers {
         registry.register(conn, user, to).await?;
     }
@@ -215,7 +230,12 @@ type Mover = (Vec<u8>, ServerId);
 
 /// Users of dead servers who reconnect elsewhere (`moved_percent` of each dead server's):
 /// half before the events, half racing the cleanup (the second list).
-fn movers(options: &Options, dead: &[ServerId], live: &[ServerId]) -> (Vec<Mover>, Vec<Mover>) {
+fn movers(
+    options: &Options,
+    layout: Layout,
+    dead: &[ServerId],
+    live: &[ServerId],
+) -> (Vec<Mover>, Vec<Mover>) {
     let mut rng = rand::rng();
     let share = ((options.users as f64 * options.moved_percent / 100.0).round() as usize)
         .min(options.users);
@@ -223,7 +243,7 @@ fn movers(options: &Options, dead: &[ServerId], live: &[ServerId]) -> (Vec<Mover
     for server in dead {
         for n in rand::seq::index::sample(&mut rng, options.users, share) {
             let to = live[rng.random_range(0..live.len())].clone();
-            movers.push((user_id(server, n), to));
+            movers.push((user_id(layout, server, n), to));
         }
     }
     movers.shuffle(&mut rng);
@@ -250,12 +270,21 @@ async fn kill(conn: &RedisConn, keys: &Keys, dead: &[ServerId]) -> Result<()> {
     Ok(())
 }
 
-fn user_id(server: &ServerId, n: usize) -> Vec<u8> {
-    format!(
-        "user-{}-{n}",
-        server.as_str().split('#').next().unwrap_or("")
-    )
-    .into_bytes()
+/// The `n`th seeded entry of `server`: the user `user-<server>-<n>`; in layout `conns`
+/// the member of connection `c-<server>-<n>` of user `user-<n>-g<i/3>` (`i` the server's
+/// number), so that three consecutive servers hold connections of the same users.
+fn user_id(layout: Layout, server: &ServerId, n: usize) -> Vec<u8> {
+    let short = server.as_str().split('#').next().unwrap_or("");
+    if layout == Layout::Conns {
+        let i: usize = short
+            .rsplit('-')
+            .next()
+            .and_then(|i| i.parse().ok())
+            .unwrap_or(0);
+        let user = format!("user-{n}-g{}", i / 3);
+        return registry_janitor::keys::conn_member(&format!("c-{short}-{n}"), user.as_bytes());
+    }
+    format!("user-{short}-{n}").into_bytes()
 }
 
 async fn seed(
@@ -269,7 +298,7 @@ async fn seed(
         registry.heartbeat(conn, server, 60_000).await?;
         for start in (0..users).step_by(10_000) {
             let ids: Vec<Vec<u8>> = (start..users.min(start + 10_000))
-                .map(|n| user_id(server, n))
+                .map(|n| user_id(registry.layout(), server, n))
                 .collect();
             registry
                 .register_many(conn, ids.iter().map(Vec::as_slice), server, 1000)
@@ -290,6 +319,7 @@ async fn wait_with_progress(
 ) -> Result<()> {
     let total = users * dead.len() as u64;
     let bar = bar(total, "cleaning");
+    // The progress record is the same in every layout.
     let cleaner = Cleaner::new(keys.clone(), Layout::Hash, 1, 1);
     loop {
         let mut done = 0;

@@ -27,7 +27,7 @@ pub(super) async fn verify(
         let is_dead = dead_names.contains(&server.as_str());
         for start in (0..users).step_by(1000) {
             let ids: Vec<Vec<u8>> = (start..users.min(start + 1000))
-                .map(|n| user_id(server, n))
+                .map(|n| user_id(registry.layout(), server, n))
                 .collect();
             let owners = registry.owners(conn, &ids).await?;
             for (user, owner) in ids.iter().zip(owners) {
@@ -65,7 +65,45 @@ pub(super) async fn verify(
     let sets: Vec<u64> = conn::each_in_flight(conn, sets).await?;
     let scores: Vec<Option<f64>> = conn::each_in_flight(conn, scores).await?;
     summary.stale += sets.iter().sum::<u64>() + scores.iter().flatten().count() as u64;
+    if registry.layout() == registry_janitor::config::Layout::Conns && !conn.is_cluster() {
+        let (hashes, connections, naming_dead) = user_hashes(registry, conn, &dead_names).await?;
+        summary.user_hashes = Some((hashes, connections));
+        summary.stale += naming_dead;
+    }
     Ok(summary)
+}
+
+/// Layout conns on one node: every user Hash under the prefix (SCAN), its connections,
+/// and those naming a dead server (must be 0). An empty Hash cannot be (Redis deletes a
+/// Hash with its last field); one would count as stale.
+async fn user_hashes(
+    registry: &Registry,
+    conn: &RedisConn,
+    dead: &[&str],
+) -> Result<(u64, u64, u64)> {
+    let pattern = registry.keys().user_conns_pattern();
+    let (mut hashes, mut connections, mut stale) = (0, 0, 0);
+    let mut cursor = 0;
+    loop {
+        let (next, found) = conn::scan_page(conn, cursor, &pattern, 1000, None).await?;
+        let reads = found
+            .iter()
+            .map(|k| redis::cmd("HVALS").arg(k).to_owned())
+            .collect();
+        let values: Vec<Vec<String>> = conn::each_in_flight(conn, reads).await?;
+        for owners in values {
+            hashes += 1;
+            connections += owners.len() as u64;
+            if owners.is_empty() {
+                stale += 1;
+            }
+            stale += owners.iter().filter(|o| dead.contains(&o.as_str())).count() as u64;
+        }
+        if next == 0 {
+            return Ok((hashes, connections, stale));
+        }
+        cursor = next;
+    }
 }
 
 /// Checks the evictions stream against the registry's end state: every entry of a dead
@@ -82,21 +120,35 @@ pub(super) async fn check_evictions(
     use registry_janitor::evictions::{read_all, Eviction};
     let (mut entries, mut announced) = (0, HashMap::<(String, Vec<u8>), u64>::new());
     for (_, entry) in read_all(conn, registry.keys()).await? {
-        if let Some(Eviction::Evicted {
-            server_id, users, ..
-        }) = entry
-        {
-            entries += 1;
-            for u in users {
-                *announced.entry((server_id.clone(), u)).or_default() += 1;
+        match entry {
+            Some(Eviction::Evicted {
+                server_id, users, ..
+            }) => {
+                entries += 1;
+                for u in users {
+                    *announced.entry((server_id.clone(), u)).or_default() += 1;
+                }
             }
+            // Layout conns: each pair as the member `<connection> <user>`.
+            Some(Eviction::ConnectionsEvicted {
+                server_id,
+                connections,
+                ..
+            }) => {
+                entries += 1;
+                for (user, connection) in connections {
+                    let member = registry_janitor::keys::conn_member(&connection, &user);
+                    *announced.entry((server_id.clone(), member)).or_default() += 1;
+                }
+            }
+            _ => {}
         }
     }
     summary.evicted = Some((entries, announced.values().sum()));
     summary.evicted_wrong = announced.values().filter(|n| **n > 1).count() as u64;
     for server in dead {
         for n in 0..users {
-            let user = user_id(server, n);
+            let user = user_id(registry.layout(), server, n);
             let was_announced = announced.contains_key(&(server.as_str().to_owned(), user.clone()));
             let came_back = moved.contains_key(&user);
             match (was_announced, came_back) {

@@ -145,7 +145,7 @@ async fn lookup_run(
     }
     let command = match (lookup, b.settings.layout) {
         (Lookup::Route, _) => "evalsha_ro",
-        (Lookup::Plain, Layout::Hash) => "hget",
+        (Lookup::Plain, Layout::Hash | Layout::Conns) => "hget",
         (Lookup::Plain, Layout::Keys) => "get",
     };
     let single = !b.conn.is_cluster();

@@ -36,6 +36,13 @@ impl Lookup {
         user: &[u8],
     ) -> Result<Option<String>> {
         match self {
+            // Layout conns: the user lookup of the layout (route_user.lua); a bench user
+            // holds one connection, so its first server is the one.
+            Lookup::Route if registry.layout() == registry_janitor::config::Layout::Conns => {
+                let (_, user) =
+                    registry_janitor::keys::split_conn_member(user).unwrap_or((b"", user));
+                Ok(registry.route_user(conn, user).await?.into_iter().next())
+            }
             Lookup::Route => registry.route(conn, user).await,
             Lookup::Plain => registry.owner(conn, user).await,
         }

@@ -146,7 +146,9 @@ pub async fn probe(settings: &Settings, options: &ProbeOptions) -> Result<()> {
         }
         watch.cancel();
     });
-    let users: Vec<Vec<u8>> = (0..options.users.max(1)).map(live_user).collect();
+    let users: Vec<Vec<u8>> = (0..options.users.max(1))
+        .map(|n| live_user(settings.layout, n))
+        .collect();
     let latencies =
         crate::bench::probe::probe_lookups(target, keys, settings.layout, users, stop).await?;
     let mut out = tokio::io::stdout();

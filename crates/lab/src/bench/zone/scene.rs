@@ -46,7 +46,10 @@ impl ZoneScene {
     }
 
     fn user(&self, server: usize, n: usize) -> Vec<u8> {
-        format!("z{server}u{n}").into_bytes()
+        crate::bench::scene::as_entry(
+            self.registry.layout(),
+            format!("z{server}u{n}").into_bytes(),
+        )
     }
 
     fn moved(&self, n: usize) -> bool {
@@ -83,7 +86,9 @@ impl ZoneScene {
                     .await?;
             }
         }
-        let live: Vec<Vec<u8>> = (0..LIVE_USERS).map(live_user).collect();
+        let live: Vec<Vec<u8>> = (0..LIVE_USERS)
+            .map(|n| live_user(self.registry.layout(), n))
+            .collect();
         self.registry
             .register_many(conn, live.iter().map(Vec::as_slice), &self.live, 1000)
             .await
@@ -111,7 +116,9 @@ impl ZoneScene {
                 }
             }
         }
-        let live: Vec<Vec<u8>> = (0..LIVE_USERS).map(live_user).collect();
+        let live: Vec<Vec<u8>> = (0..LIVE_USERS)
+            .map(|n| live_user(self.registry.layout(), n))
+            .collect();
         for chunk in live.chunks(1000) {
             lost += self
                 .registry
@@ -125,6 +132,7 @@ impl ZoneScene {
     }
 }
 
-pub(super) fn live_user(n: usize) -> Vec<u8> {
-    format!("live{n}").into_bytes()
+/// The `n`th live user, `live<n>`; in layout `conns` its connection `c`, as the member.
+pub(super) fn live_user(layout: registry_janitor::config::Layout, n: usize) -> Vec<u8> {
+    crate::bench::scene::as_entry(layout, format!("live{n}").into_bytes())
 }
