@@ -306,3 +306,177 @@ async fn route_user_decodes_under_resp2_and_resp3() {
         );
     }
 }
+
+/// Every sweep step to the end of one cycle of the drift sweep.
+async fn sweep_cycle(r: &registry_janitor::reconcile::Reconciler) {
+    let mut cursor: Option<String> = None;
+    loop {
+        let (next, _, _) = r.sweep_step(cursor.as_deref()).await.unwrap();
+        if next == "0" {
+            break;
+        }
+        cursor = Some(next);
+    }
+}
+
+/// The drift sweep reads only the Hashes of this layout, `user:{<user>}:conns`: an
+/// application's Hashes under `user:` (`user:1000`, `user:@alice:status`) are not a user's
+/// connections, and a field that is no connection id (`a b`, written by no protocol
+/// writer) is never read as another user's entry: nothing live is deleted, nothing that
+/// was never a connection is announced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_drift_sweep_reads_only_this_layouts_entries() {
+    use registry_janitor::{metrics::Metrics, reconcile::Reconciler};
+    let f = Fixture::with(Layout::Conns, |s| s.heartbeat_grace_ms = 1);
+    let live = server("gw-live#1");
+    f.registry.heartbeat(&f.conn, &live, 60_000).await.unwrap();
+    f.registry
+        .register_connection(&f.conn, b"alice", "phone", &live)
+        .await
+        .unwrap();
+    f.registry
+        .register_connection(&f.conn, b"b c", "a", &live)
+        .await
+        .unwrap();
+    let p = f.keys.prefix().to_owned();
+    for (key, field, value) in [
+        (
+            format!("{p}user:1000").into_bytes(),
+            "email",
+            "john@example.com",
+        ),
+        (
+            format!("{p}user:@alice:status").into_bytes(),
+            "phone",
+            "away",
+        ),
+        (f.keys.user_conns(b"c"), "a b", "gw-ghost#1"),
+    ] {
+        let _: () = f
+            .query(redis::cmd("HSET").arg(key).arg(field).arg(value))
+            .await;
+    }
+    let r = Reconciler::new(&f.settings, Metrics::new()).await.unwrap();
+    sweep_cycle(&r).await;
+    sweep_cycle(&r).await;
+    let (announced, _) = evictions(&f).await;
+    assert!(announced.is_empty(), "announced: {announced:?}");
+    assert_eq!(
+        f.registry.connections(&f.conn, b"alice").await.unwrap(),
+        vec![("phone".to_owned(), "gw-live#1".to_owned())]
+    );
+    assert_eq!(
+        f.registry.connections(&f.conn, b"b c").await.unwrap(),
+        vec![("a".to_owned(), "gw-live#1".to_owned())]
+    );
+    let app: i64 = f
+        .query(
+            redis::cmd("EXISTS")
+                .arg(format!("{p}user:1000"))
+                .arg(format!("{p}user:@alice:status")),
+        )
+        .await;
+    assert_eq!(app, 2, "the application's Hashes are left as they are");
+}
+
+/// With the reconciler's ACL of the example (HGETALL only on `user:*:conns`), an
+/// application Hash under `user:` does not stop the drift sweep: it never reads it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_drift_sweep_runs_under_the_reconcilers_acl_beside_other_hashes() {
+    use registry_janitor::{metrics::Metrics, reconcile::Reconciler};
+    let f = Fixture::with(Layout::Conns, |s| {
+        s.key_prefix = String::new();
+        s.heartbeat_grace_ms = 1;
+    });
+    let conf = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/k8s/redis-acl.example.conf"
+    ))
+    .unwrap();
+    let line = conf
+        .lines()
+        .find(|l| l.starts_with("user janitor-reconciler "))
+        .expect("the reconciler's ACL user");
+    let mut rules: Vec<String> = line.split_whitespace().skip(2).map(str::to_owned).collect();
+    for rule in rules.iter_mut().filter(|r| r.starts_with('#')) {
+        *rule = ">pw".into();
+    }
+    let _: () = f
+        .query(
+            redis::cmd("ACL")
+                .arg("SETUSER")
+                .arg("janitor-reconciler")
+                .arg(&rules),
+        )
+        .await;
+    let _: () = f
+        .query(redis::cmd("HSET").arg("user:1000").arg("name").arg("John"))
+        .await;
+    let mut s = f.settings.clone();
+    s.redis_url = f
+        .redis
+        .url()
+        .replace("redis://", "redis://janitor-reconciler:pw@");
+    let r = Reconciler::new(&s, Metrics::new()).await.unwrap();
+    sweep_cycle(&r).await;
+}
+
+/// Members whose connection id breaks the rule (too long, not ASCII), written by a plain
+/// writer that ignores the protocol, are not entries of this layout: the cleanup finishes,
+/// touches none of them, and every `connections.evicted` entry decodes, with the valid
+/// connection in it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_that_break_the_connection_id_rule_are_not_entries() {
+    let f = Fixture::new(Layout::Conns);
+    let dead = server("gw-dead#1");
+    let long = "x".repeat(300);
+    let mut pipe = redis::pipe();
+    for (connection, user) in [
+        (long.as_bytes(), &b"bob"[..]),
+        (b"c\xff", b"eve"),
+        (b"phone", b"alice"),
+    ] {
+        let mut member = connection.to_vec();
+        member.push(b' ');
+        member.extend_from_slice(user);
+        pipe.hset(f.keys.user_conns(user), connection, dead.as_str())
+            .ignore()
+            .sadd(f.keys.server_users(&dead), member)
+            .ignore();
+    }
+    let () = pipe.query_async(&mut f.conn.clone()).await.unwrap();
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        Cleaner::new(f.keys.clone(), Layout::Conns, 100, 1).clean(
+            &f.conn,
+            &dead,
+            &CancellationToken::new(),
+            |_| {},
+        ),
+    )
+    .await
+    .expect("the cleanup finishes")
+    .unwrap();
+    assert_eq!(
+        keys_of_user(&f, b"alice").await,
+        0,
+        "the valid connection is cleaned"
+    );
+    for (user, field) in [(&b"bob"[..], long.as_bytes()), (b"eve", b"c\xff")] {
+        let left: Option<String> = f
+            .query(redis::cmd("HGET").arg(f.keys.user_conns(user)).arg(field))
+            .await;
+        assert_eq!(
+            left.as_deref(),
+            Some("gw-dead#1"),
+            "not an entry of this layout: left as it is"
+        );
+    }
+    let entries = registry_janitor::evictions::read_all(&f.conn, &f.keys)
+        .await
+        .unwrap();
+    assert!(
+        !entries.is_empty() && entries.iter().all(|(_, e)| e.is_some()),
+        "{entries:?}"
+    );
+}

@@ -142,7 +142,10 @@ local function announce_connections_evicted(stream, server, event_id, source, me
         end
         local ch = STR8[cl]
         if not ch then
-          ch = cl < 32 and string.char(160 + cl) or '\217' .. string.char(cl)
+          if cl < 32 then ch = string.char(160 + cl)
+          elseif cl < 256 then ch = '\217' .. string.char(cl)
+          elseif cl < 65536 then ch = '\218' .. mp_be(cl, 2)
+          else ch = '\219' .. mp_be(cl, 4) end
           STR8[cl] = ch
         end
         list[k + 1] = '\146'

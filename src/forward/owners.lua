@@ -10,13 +10,20 @@ local BATCH = 1000
 -- flat tables by member: no table per member.
 local CONN_ID, CONN_USER, CONN_KEY = {}, {}, {}
 
--- The connection id and the user id of `member`, or nil for a member without a space
--- (not one of this layout).
+-- Whether `c` keeps the rule of connection (and server) ids: 1 to 200 bytes of printable
+-- ASCII without whitespace or braces ('!' to '~' but '{' and '}').
+local function is_conn_id(c)
+  return #c >= 1 and #c <= 200 and not string.find(c, '[^!-z|~]')
+end
+
+-- The connection id and the user id of `member`, or nil for a member that is not one of
+-- this layout (no space, or a connection id that breaks the rule: no protocol writer
+-- makes one, and it is never read as another user's entry).
 local function conn_parts(member)
   local connection = CONN_ID[member]
   if connection == nil then
     local at = string.find(member, ' ', 1, true)
-    if at and at > 1 then
+    if at and at > 1 and is_conn_id(string.sub(member, 1, at - 1)) then
       connection = string.sub(member, 1, at - 1)
       CONN_USER[member] = string.sub(member, at + 1)
     else

@@ -50,7 +50,10 @@ impl Reconciler {
         let cutoff = self.sweep_cutoff_ms().await?;
         // Read last, right before the step: an outage during the reads above holds it.
         let hold = self.hold().await?;
-        let pattern = crate::keys::pattern_under(&self.keys.user_key_prefix());
+        let pattern = match self.settings.layout {
+            crate::config::Layout::Conns => self.keys.user_conns_pattern(),
+            _ => crate::keys::pattern_under(&self.keys.user_key_prefix()),
+        };
         let mut call = SWEEP_FORWARD.prepare_invoke();
         call.key(self.keys.registry())
             .key(self.keys.sweep())

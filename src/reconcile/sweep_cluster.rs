@@ -244,10 +244,19 @@ impl Reconciler {
             else {
                 continue;
             };
+            // Only a key of this layout (MATCH is a glob): exactly user:{<user>}:conns.
+            if self.keys.user_conns(user) != *key {
+                continue;
+            }
             for (connection, owner) in fields {
+                // A field that is no connection id (a space would split the member
+                // elsewhere) is never read as an entry of another user.
                 let Ok(connection) = std::str::from_utf8(&connection) else {
                     continue;
                 };
+                if ServerId::parse(connection).is_err() {
+                    continue;
+                }
                 pairs.push((crate::keys::conn_member(connection, user), owner));
             }
         }

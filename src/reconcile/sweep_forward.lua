@@ -46,10 +46,17 @@ elseif layout == 'conns' then
   for i = 1, #r[2] do
     local key = r[2][i]
     local user = string.sub(key, head, #key - #'}:conns')
-    local fields = redis.call('HGETALL', key)
-    for j = 1, #fields, 2 do
-      users[#users + 1] = fields[j] .. ' ' .. user
-      owners[#owners + 1] = fields[j + 1]
+    -- Only a key of this layout (MATCH is a glob): exactly <prefix>user:{<user>}:conns.
+    if prefix .. 'user:{' .. user .. '}:conns' == key then
+      local fields = redis.call('HGETALL', key)
+      for j = 1, #fields, 2 do
+        -- A field that is no connection id (a space would split the member elsewhere) is
+        -- never read as an entry of another user.
+        if is_conn_id(fields[j]) then
+          users[#users + 1] = fields[j] .. ' ' .. user
+          owners[#owners + 1] = fields[j + 1]
+        end
+      end
     end
   end
 else

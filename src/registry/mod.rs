@@ -14,7 +14,7 @@
 //! | (cluster)    | release.lua     | forward entry deleted only if it names the server     |
 //!
 //! Layout `conns` (a user with several connections; docs/connections.md) has its own
-//! scripts, with the same fence rules; see [`conns`](self::conns):
+//! scripts, with the same fence rules; see `conns.rs`:
 //!
 //! | operation           | script              | what it does                                |
 //! |---------------------|---------------------|---------------------------------------------|
@@ -179,9 +179,9 @@ impl Registry {
     }
 
     /// Adds the commands that register `user` on `server` to `pipe` (for bulk loads; the
-    /// plain writes, without a fence check). Layout `conns`: `user` must be a member
-    /// `<connection id> <user id>` ([`Registry::register_many`] checks).
-    pub fn add_register(&self, pipe: &mut redis::Pipeline, user: &[u8], server: &ServerId) {
+    /// plain writes, without a fence check). The caller has checked `user`
+    /// ([`Registry::check_entry`]: layout `conns` takes a member `<connection id> <user id>`).
+    fn add_register(&self, pipe: &mut redis::Pipeline, user: &[u8], server: &ServerId) {
         pipe.add_command(self.forward_write(user, server))
             .ignore()
             .sadd(self.keys.server_users(server), user)
