@@ -309,10 +309,17 @@ pub fn conn_member(connection: &str, user: &[u8]) -> Vec<u8> {
 }
 
 /// A member of layout `conns` split at its first space: (connection id, user id).
-/// `None` without a space, or with an empty connection id.
+/// `None` for a member that is not one of this layout: without a space, or whose
+/// connection id breaks the rule of ids (1 to 200 bytes of printable ASCII without
+/// whitespace or braces), as the scripts' prelude decides too.
 pub fn split_conn_member(member: &[u8]) -> Option<(&[u8], &[u8])> {
     let at = member.iter().position(|&b| b == b' ')?;
-    (at > 0).then(|| (&member[..at], &member[at + 1..]))
+    let connection = &member[..at];
+    let valid = (1..=200).contains(&connection.len())
+        && connection
+            .iter()
+            .all(|&b| b.is_ascii_graphic() && b != b'{' && b != b'}');
+    valid.then(|| (connection, &member[at + 1..]))
 }
 
 /// A SCAN MATCH pattern for every key that starts with `prefix` (glob characters in the
@@ -348,6 +355,13 @@ mod tests {
         );
         assert_eq!(split_conn_member(b" u"), None);
         assert_eq!(split_conn_member(b"u"), None);
+        assert_eq!(split_conn_member(b"c\xff u"), None);
+        assert_eq!(split_conn_member(b"{c} u"), None);
+        assert_eq!(
+            split_conn_member(&[b"x".repeat(201), b" u".to_vec()].concat()),
+            None
+        );
+        assert!(split_conn_member(&[b"x".repeat(200), b" u".to_vec()].concat()).is_some());
         assert_eq!(k.server_users(&s), "t:server:{gw-7#1732181000123}:users");
         assert_eq!(k.server_alive(&s), "t:server:{gw-7#1732181000123}:alive");
         assert_eq!(k.servers(), "t:servers");

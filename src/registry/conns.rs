@@ -40,15 +40,16 @@ pub fn validate_connection_id(connection: &str) -> Result<()> {
 
 /// A reverse-set member of layout `conns` as (connection id, user id), validated.
 pub(super) fn member_parts(member: &[u8]) -> Result<(&str, &[u8])> {
-    let (connection, user) = crate::keys::split_conn_member(member).ok_or_else(|| {
+    let at = member.iter().position(|&b| b == b' ').ok_or_else(|| {
         Error::Protocol(format!(
             "layout conns: {:?} is not `<connection id> <user id>`",
             String::from_utf8_lossy(member)
         ))
     })?;
-    let connection = std::str::from_utf8(connection)
+    let connection = std::str::from_utf8(&member[..at])
         .map_err(|_| Error::Protocol("connection id: not printable ASCII".into()))?;
-    Ok((connection, user))
+    validate_connection_id(connection)?;
+    Ok((connection, &member[at + 1..]))
 }
 
 impl Registry {
