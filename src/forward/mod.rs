@@ -286,6 +286,42 @@ async fn check_delete_by_slot(
     if users.is_empty() {
         return Ok(checked);
     }
+    let calls = slot_calls(keys, layout, server, users, &mut checked);
+    // A plain loop rather than an iterator of closures: the latter trips rustc's
+    // higher-ranked `Send` inference when the worker spawns this future.
+    let mut queued = calls.iter();
+    let mut in_flight = FuturesUnordered::new();
+    loop {
+        while in_flight.len() < SLOTS_IN_FLIGHT {
+            let Some((call, users)) = queued.next() else {
+                break;
+            };
+            let mut c = conn.clone();
+            in_flight.push(async move {
+                call.invoke_async::<SlotReply>(&mut c)
+                    .await
+                    .map(|reply| (reply, users))
+            });
+        }
+        let Some(reply) = in_flight.next().await else {
+            break;
+        };
+        let (reply, users) = reply?;
+        checked.add(reply, users);
+    }
+    Ok(checked)
+}
+
+/// The check-and-delete calls of [`check_delete_by_slot`], one per slot, each with the
+/// users it is given (in order). A `conns` member that is not of the layout has no entry:
+/// reported absent in `checked`.
+fn slot_calls<'u>(
+    keys: &Keys,
+    layout: Layout,
+    server: &ServerId,
+    users: Vec<&'u Vec<u8>>,
+    checked: &mut Checked,
+) -> Vec<(redis::ScriptInvocation<'static>, Vec<&'u Vec<u8>>)> {
     // Each call with the users it was given, in order (its answer names positions).
     let mut calls = Vec::new();
     match layout {
@@ -346,27 +382,5 @@ async fn check_delete_by_slot(
             }
         }
     }
-    // A plain loop rather than an iterator of closures: the latter trips rustc's
-    // higher-ranked `Send` inference when the worker spawns this future.
-    let mut queued = calls.iter();
-    let mut in_flight = FuturesUnordered::new();
-    loop {
-        while in_flight.len() < SLOTS_IN_FLIGHT {
-            let Some((call, users)) = queued.next() else {
-                break;
-            };
-            let mut c = conn.clone();
-            in_flight.push(async move {
-                call.invoke_async::<SlotReply>(&mut c)
-                    .await
-                    .map(|reply| (reply, users))
-            });
-        }
-        let Some(reply) = in_flight.next().await else {
-            break;
-        };
-        let (reply, users) = reply?;
-        checked.add(reply, users);
-    }
-    Ok(checked)
+    calls
 }
