@@ -94,29 +94,22 @@ pub fn evicted_payload(
     users: &[Vec<u8>],
     at_ms: u64,
 ) -> Vec<u8> {
-    use rmp::encode::*;
-    let mut out = Vec::with_capacity(96 + users.iter().map(|u| u.len() + 3).sum::<usize>());
-    let write = |w: &mut Vec<u8>| -> Result<(), ValueWriteError> {
-        write_map_len(w, 6)?;
-        write_str(w, "v")?;
-        write_uint(w, VERSION)?;
-        write_str(w, "source")?;
-        write_str(w, source.as_str())?;
-        write_str(w, "server_id")?;
-        write_str(w, server.as_str())?;
-        write_str(w, "event_id")?;
-        write_str(w, event_id)?;
-        write_str(w, "users")?;
-        write_array_len(w, users.len() as u32)?;
-        for u in users {
-            write_bin(w, u)?;
-        }
-        write_str(w, "evicted_at_ms")?;
-        write_uint(w, at_ms)?;
-        Ok(())
-    };
-    write(&mut out).expect(WRITING_TO_A_VEC);
-    out
+    let size = users.iter().map(|u| u.len() + 3).sum::<usize>();
+    evictions_payload(
+        server,
+        event_id,
+        source,
+        at_ms,
+        "users",
+        users.len(),
+        size,
+        |w| {
+            for u in users {
+                rmp::encode::write_bin(w, u)?;
+            }
+            Ok(())
+        },
+    )
 }
 
 /// A `connections.evicted` payload (layout `conns`): like `users.evicted`, with
@@ -128,13 +121,46 @@ pub fn connections_evicted_payload(
     connections: &[(&[u8], &str)],
     at_ms: u64,
 ) -> Vec<u8> {
+    let size = connections
+        .iter()
+        .map(|(u, c)| u.len() + c.len() + 5)
+        .sum::<usize>();
+    let count = connections.len();
+    evictions_payload(
+        server,
+        event_id,
+        source,
+        at_ms,
+        "connections",
+        count,
+        size,
+        |w| {
+            for (user, connection) in connections {
+                rmp::encode::write_array_len(w, 2)?;
+                rmp::encode::write_bin(w, user)?;
+                rmp::encode::write_str(w, connection)?;
+            }
+            Ok(())
+        },
+    )
+}
+
+/// The map both eviction payloads share: `v`, `source`, `server_id`, `event_id`, the
+/// array `list` of `count` items that `items` writes (about `size` bytes), and
+/// `evicted_at_ms`.
+#[allow(clippy::too_many_arguments)]
+fn evictions_payload(
+    server: &ServerId,
+    event_id: &str,
+    source: Source,
+    at_ms: u64,
+    list: &str,
+    count: usize,
+    size: usize,
+    items: impl Fn(&mut Vec<u8>) -> Result<(), rmp::encode::ValueWriteError>,
+) -> Vec<u8> {
     use rmp::encode::*;
-    let mut out = Vec::with_capacity(
-        96 + connections
-            .iter()
-            .map(|(u, c)| u.len() + c.len() + 5)
-            .sum::<usize>(),
-    );
+    let mut out = Vec::with_capacity(96 + size);
     let write = |w: &mut Vec<u8>| -> Result<(), ValueWriteError> {
         write_map_len(w, 6)?;
         write_str(w, "v")?;
@@ -145,13 +171,9 @@ pub fn connections_evicted_payload(
         write_str(w, server.as_str())?;
         write_str(w, "event_id")?;
         write_str(w, event_id)?;
-        write_str(w, "connections")?;
-        write_array_len(w, connections.len() as u32)?;
-        for (user, connection) in connections {
-            write_array_len(w, 2)?;
-            write_bin(w, user)?;
-            write_str(w, connection)?;
-        }
+        write_str(w, list)?;
+        write_array_len(w, count as u32)?;
+        items(w)?;
         write_str(w, "evicted_at_ms")?;
         write_uint(w, at_ms)?;
         Ok(())
