@@ -334,31 +334,28 @@ fn slot_calls<'u>(
             calls.push((call, users));
         }
         Layout::Conns => {
-            // Members `<connection> <user>`, grouped by the slot of their user's Hash; a
-            // member of another shape has no entry (reported absent).
-            let mut by_slot: std::collections::HashMap<u16, Vec<&Vec<u8>>> =
+            // Members `<connection> <user>`, grouped by the slot of their user's Hash, each
+            // with its key and connection; a member of another shape has no entry
+            // (reported absent).
+            type Entry<'m> = (&'m Vec<u8>, Vec<u8>, Vec<u8>);
+            let mut by_slot: std::collections::HashMap<u16, Vec<Entry<'u>>> =
                 std::collections::HashMap::new();
-            let mut odd = Vec::new();
-            for (i, m) in users.iter().enumerate() {
+            for m in users {
                 match keys.forward_of_member(Layout::Conns, m) {
-                    Some((key, _)) => by_slot
+                    Some((key, Some(connection))) => by_slot
                         .entry(crate::conn::key_slot(&key))
                         .or_default()
-                        .push(*m),
-                    None => odd.push(i),
+                        .push((m, key, connection)),
+                    _ => checked.absent_users.push(m.clone()),
                 }
             }
-            for i in odd {
-                checked.absent_users.push(users[i].clone());
-            }
-            for members in by_slot.into_values() {
+            for entries in by_slot.into_values() {
                 let mut call = CHECK_DELETE.prepare_invoke();
                 call.arg(server.as_str()).arg("conns");
-                for m in &members {
-                    if let Some((key, Some(connection))) = keys.forward_of_member(Layout::Conns, m)
-                    {
-                        call.key(key).arg(connection);
-                    }
+                let mut members = Vec::with_capacity(entries.len());
+                for (m, key, connection) in entries {
+                    call.key(key).arg(connection);
+                    members.push(m);
                 }
                 calls.push((call, members));
             }
