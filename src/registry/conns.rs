@@ -15,7 +15,7 @@
 
 use std::sync::LazyLock;
 
-use super::{unless_fenced, Registry, RELEASE};
+use super::{unless_fenced, Entry, Registry};
 use crate::{
     config::Layout,
     conn::RedisConn,
@@ -96,32 +96,14 @@ impl Registry {
     ) -> Result<()> {
         self.conns_only("register_connection")?;
         validate_connection_id(connection)?;
-        let mut call = self.conn_call(&REGISTER_CONN, user, connection, server);
-        let forward = self.keys.user_conns(user);
-        if conn.is_cluster() {
-            if crate::fence::is_fenced(conn, &self.keys, server).await? {
-                return unless_fenced(call.invoke_async::<i64>(&mut conn.clone()).await, server)
-                    .map(drop);
-            }
-            let _: i64 = redis::cmd("HSET")
-                .arg(&forward)
-                .arg(connection)
-                .arg(server.as_str())
-                .query_async(&mut conn.clone())
-                .await?;
-        } else {
-            call.key(&forward);
-        }
-        let refused = match unless_fenced(call.invoke_async::<i64>(&mut conn.clone()).await, server)
-        {
-            Err(refused @ Error::Fenced { .. }) => refused,
-            other => return other.map(drop),
-        };
-        if conn.is_cluster() {
-            self.release_connection(conn, user, connection, server)
-                .await?;
-        }
-        Err(refused)
+        let call = self.conn_call(&REGISTER_CONN, user, connection, server);
+        let entry = self.connection_entry(user, connection);
+        let write = redis::cmd("HSET")
+            .arg(&entry.key)
+            .arg(connection)
+            .arg(server.as_str())
+            .to_owned();
+        self.register_steps(conn, call, entry, write, server).await
     }
 
     /// A clean disconnect of one connection (unregister_conn.lua): its field goes if it
@@ -138,7 +120,7 @@ impl Registry {
         validate_connection_id(connection)?;
         let mut call = self.conn_call(&UNREGISTER_CONN, user, connection, server);
         if conn.is_cluster() {
-            self.release_connection(conn, user, connection, server)
+            self.release(conn, &self.connection_entry(user, connection), server)
                 .await?;
         } else {
             call.key(self.keys.user_conns(user));
@@ -146,22 +128,14 @@ impl Registry {
         unless_fenced(call.invoke_async::<i64>(&mut conn.clone()).await, server).map(drop)
     }
 
-    /// Deletes the connection's field if it still names `server` (release.lua, the
-    /// connection id as a field of layout `hash`).
-    async fn release_connection(
-        &self,
-        conn: &RedisConn,
-        user: &[u8],
-        connection: &str,
-        server: &ServerId,
-    ) -> Result<()> {
-        let mut call = RELEASE.prepare_invoke();
-        call.key(self.keys.user_conns(user))
-            .arg(connection)
-            .arg(server.as_str())
-            .arg(Layout::Hash.as_str());
-        let _deleted: i64 = call.invoke_async(&mut conn.clone()).await?;
-        Ok(())
+    /// The forward entry of `connection` of `user`: a field of the user's Hash, released
+    /// as layout `hash` releases a field of `registry`.
+    fn connection_entry<'c>(&self, user: &[u8], connection: &'c str) -> Entry<'c> {
+        Entry {
+            key: self.keys.user_conns(user),
+            field: connection.as_bytes(),
+            layout: Layout::Hash,
+        }
     }
 
     /// Every connection of `user` and the server it names, sorted by connection id.

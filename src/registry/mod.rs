@@ -73,6 +73,14 @@ pub use conns::validate_connection_id;
 
 pub use route::have_liveness_keys;
 
+/// One forward entry as release.lua takes it: its key, the field (layout `hash` and a
+/// user's connections Hash) or user it names, and the layout its script argument is.
+struct Entry<'a> {
+    key: Vec<u8>,
+    field: &'a [u8],
+    layout: Layout,
+}
+
 static RELEASE: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(include_str!("../../protocol/release.lua")));
 /// Turns the protocol's `FENCED` refusal into [`Error::Fenced`].
@@ -201,21 +209,40 @@ impl Registry {
                 .register_connection(conn, user, connection, server)
                 .await;
         }
-        let mut call = self.member_call(&REGISTER, user, server);
+        let call = self.member_call(&REGISTER, user, server);
+        let entry = Entry {
+            key: self.forward_key(user),
+            field: user,
+            layout: self.layout,
+        };
+        self.register_steps(conn, call, entry, self.forward_write(user, server), server)
+            .await
+    }
+
+    /// The registration steps of the protocol for one forward entry: `call` (register.lua
+    /// or register_conn.lua, given the server's keys) checks the fence and writes. On one
+    /// node one atomic step, `entry`'s key added to `call`. On a cluster the forward
+    /// entry first (`write`), then `call`, the entry released if `call` is refused (see
+    /// the module docs).
+    async fn register_steps(
+        &self,
+        conn: &RedisConn,
+        mut call: redis::ScriptInvocation<'_>,
+        entry: Entry<'_>,
+        write: redis::Cmd,
+        server: &ServerId,
+    ) -> Result<()> {
         if conn.is_cluster() {
             // A server already fenced writes no forward entry: that write would replace
             // the entry of a user registered on a live server, and the release after the
-            // refusal would then delete it. register.lua alone refuses (and notes it).
+            // refusal would then delete it. The script alone refuses (and notes it).
             if crate::fence::is_fenced(conn, &self.keys, server).await? {
                 return unless_fenced(call.invoke_async::<i64>(&mut conn.clone()).await, server)
                     .map(drop);
             }
-            let () = self
-                .forward_write(user, server)
-                .query_async(&mut conn.clone())
-                .await?;
+            let _: redis::Value = write.query_async(&mut conn.clone()).await?;
         } else {
-            call.key(self.forward_key(user));
+            call.key(&entry.key);
         }
         let refused = match unless_fenced(call.invoke_async::<i64>(&mut conn.clone()).await, server)
         {
@@ -223,7 +250,7 @@ impl Registry {
             other => return other.map(drop),
         };
         if conn.is_cluster() {
-            self.release(conn, user, server).await?;
+            self.release(conn, &entry, server).await?;
         }
         Err(refused)
     }
@@ -322,7 +349,12 @@ impl Registry {
         }
         let mut call = self.member_call(&UNREGISTER, user, server);
         if conn.is_cluster() {
-            self.release(conn, user, server).await?;
+            let entry = Entry {
+                key: self.forward_key(user),
+                field: user,
+                layout: self.layout,
+            };
+            self.release(conn, &entry, server).await?;
         } else {
             call.key(self.forward_key(user));
         }
@@ -330,12 +362,12 @@ impl Registry {
     }
 
     /// Deletes `user`'s forward entry if it still names `server` (release.lua).
-    async fn release(&self, conn: &RedisConn, user: &[u8], server: &ServerId) -> Result<()> {
+    async fn release(&self, conn: &RedisConn, entry: &Entry<'_>, server: &ServerId) -> Result<()> {
         let mut call = RELEASE.prepare_invoke();
-        call.key(self.forward_key(user))
-            .arg(user)
+        call.key(&entry.key)
+            .arg(entry.field)
             .arg(server.as_str())
-            .arg(self.layout.as_str());
+            .arg(entry.layout.as_str());
         let _deleted: i64 = call.invoke_async(&mut conn.clone()).await?;
         Ok(())
     }
