@@ -128,14 +128,18 @@ impl PythonServer {
     }
 }
 
-async fn python_server_is_fenced_and_comes_back(layout: Layout) {
-    let Some(python) = python() else { return };
-    let f = Fixture::new(layout);
-    let (users, leaving) = (50, 5);
-    let old = server("gw-py#1");
-    let mut py = PythonServer::start(
-        &python,
-        &f,
+/// connection_server.py as `old` with `users` users, `leaving` of them disconnected
+/// again, heartbeating until it is fenced.
+fn until_fenced(
+    python: &str,
+    f: &Fixture,
+    old: &ServerId,
+    users: usize,
+    leaving: usize,
+) -> PythonServer {
+    PythonServer::start(
+        python,
+        f,
         &[
             "--server-id",
             old.as_str(),
@@ -151,7 +155,15 @@ async fn python_server_is_fenced_and_comes_back(layout: Layout) {
             "60000",
             "--until-fenced",
         ],
-    );
+    )
+}
+
+async fn python_server_is_fenced_and_comes_back(layout: Layout) {
+    let Some(python) = python() else { return };
+    let f = Fixture::new(layout);
+    let (users, leaving) = (50, 5);
+    let old = server("gw-py#1");
+    let mut py = until_fenced(&python, &f, &old, users, leaving);
     py.next("ready").await;
 
     // What Python registered is what the Rust side reads.
@@ -405,23 +417,7 @@ async fn python_server_in_layout_conns() {
     let f = Fixture::new(Layout::Conns);
     let (users, leaving) = (20, 4);
     let old = server("gw-py#1");
-    let mut py = PythonServer::start(
-        &python,
-        &f,
-        &[
-            "--server-id",
-            old.as_str(),
-            "--users",
-            &users.to_string(),
-            "--disconnect",
-            &leaving.to_string(),
-            "--heartbeat-ms",
-            &HEARTBEAT_MS.to_string(),
-            "--ttl-ms",
-            "60000",
-            "--until-fenced",
-        ],
-    );
+    let mut py = until_fenced(&python, &f, &old, users, leaving);
     py.next("ready").await;
     let staying = users - leaving;
     assert_eq!(f.still_pointing(&old, staying).await, staying);
