@@ -115,8 +115,15 @@ impl redis::FromRedisValue for Advance {
     }
 }
 
-/// How long the end of a walk waits for the replicas to hold its deletes.
+/// One WAIT of the end of a walk for the replicas to hold its deletes.
 const REPLICATION_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// How long the end of a walk waits in all for replicas that lag while every master
+/// answers. A replica that stops answering is dropped by its master after `repl-timeout`
+/// (60 s by default) and is then no longer waited for, so this bounds only a replica that
+/// stays connected and stays behind. No bound applies while a master does not answer: its
+/// replica may take over without the deletes, and the epoch then shows it.
+const REPLICATION_PATIENCE: std::time::Duration = std::time::Duration::from_secs(60);
 
 impl Cleaner {
     /// The cleanup on a Redis Cluster, where one script cannot touch the reverse set
@@ -238,17 +245,8 @@ impl Cleaner {
         })
         .await?;
         if chunk.next == Next::End {
-            // The walk's deletes (on every master) reach the replicas before the epoch
-            // that decides whether they stand is read: a failover after this cannot lose
-            // them, one before it changed the epoch and the walk is made again.
-            let (wanted, acked) = retrying_counted("waiting for the replicas", stop, None, || {
-                crate::conn::wait_replicated(conn, REPLICATION_WAIT)
-            })
-            .await?;
-            if acked < wanted as i64 {
-                tracing::warn!(server_id = %server, wanted, acked, "a replica did not acknowledge the walk's deletes in time: a failover now could lose some (the reconciler finds them)");
-            }
-            *epoch = retrying_counted("cluster epoch", stop, Some(errors), || cluster_epoch(conn))
+            *epoch = self
+                .wait_for_replicas(conn, server, *epoch, errors, stop)
                 .await?;
         }
         let saw_errors = errors.get() > 0;
@@ -267,6 +265,62 @@ impl Cleaner {
             rechecked,
         };
         Ok((step, advanced))
+    }
+
+    /// The end of a walk: its deletes (on every master) reach the replicas before the
+    /// epoch that decides whether they stand is read, so a failover after this cannot
+    /// lose them, and one before it has changed the epoch and the walk is made again.
+    /// While a replica the cluster counts as up has not acknowledged them, the walk does
+    /// not move on: it WAITs again, and returns as soon as the epoch changes (a failover
+    /// was decided: the walk is made again). Only a replica that stays behind for
+    /// [`REPLICATION_PATIENCE`] is given up on, with a warning (the drift sweep then
+    /// repairs what a failover to it would bring back). `walk_epoch` is the epoch the walk was made under; returns the epoch read last.
+    async fn wait_for_replicas(
+        &self,
+        conn: &RedisConn,
+        server: &ServerId,
+        walk_epoch: u64,
+        errors: &prometheus::IntCounter,
+        stop: &CancellationToken,
+    ) -> Result<u64> {
+        // Since when only replicas lag (every master answering): the patience runs only
+        // then, never while a master is gone (its replica may take over without the
+        // deletes, which the epoch then shows).
+        let mut lagging_since: Option<std::time::Instant> = None;
+        let mut waited = false;
+        loop {
+            let found = retrying_counted("waiting for the replicas", stop, None, || {
+                crate::conn::wait_replicated(conn, REPLICATION_WAIT)
+            })
+            .await?;
+            let epoch =
+                retrying_counted("cluster epoch", stop, Some(errors), || cluster_epoch(conn))
+                    .await?;
+            if found.all_held() || epoch != walk_epoch {
+                if waited {
+                    tracing::info!(server_id = %server, "the replicas hold the walk's deletes (or the cluster failed over): the cleanup goes on");
+                }
+                return Ok(epoch);
+            }
+            lagging_since = if found.only_replicas_lag() {
+                lagging_since.or(Some(std::time::Instant::now()))
+            } else {
+                None
+            };
+            if lagging_since.is_some_and(|since| since.elapsed() >= REPLICATION_PATIENCE) {
+                tracing::warn!(server_id = %server, masters = found.masters, masters_behind = found.masters - found.held, "a replica still lags behind the walk's deletes: going on without it (a failover to it could bring some back; the drift sweep removes them)");
+                return Ok(epoch);
+            }
+            if !waited {
+                tracing::info!(server_id = %server, masters = found.masters, answered = found.answered, masters_behind = found.masters - found.held, "the replicas do not all hold the walk's deletes: the cleanup waits before it moves on");
+                waited = true;
+            }
+            // A master that is gone answers at once: ask again a little later.
+            tokio::select! {
+                () = stop.cancelled() => return Err(Error::Cancelled),
+                () = tokio::time::sleep(std::time::Duration::from_millis(200)) => {}
+            }
+        }
     }
 
     /// After the step that found nothing left: `server.cleaned` on the evictions stream,

@@ -2,6 +2,8 @@
 //! (keyspace notifications and SCAN are per node), a client for one node, and the
 //! cluster's epoch (every failover bumps it).
 
+use std::time::Duration;
+
 use super::{client_with, connection_info, install_crypto_provider, tls_certificates, RedisConn};
 use crate::{
     config::Settings,
@@ -32,50 +34,127 @@ pub async fn cluster_masters(conn: &RedisConn) -> Result<Vec<(String, u16)>> {
     Ok(masters)
 }
 
-/// The fewest replicas that a master serving slots has now (CLUSTER NODES: replicas
-/// neither failed nor unlinked, per master). 0 when any master has none.
-pub async fn cluster_min_replicas(conn: &RedisConn) -> Result<usize> {
+/// Each master's node id and one of its slots, from CLUSTER NODES: `None` while the
+/// masters neither failed nor unlinked do not cover all 16384 slots (a master is down and
+/// its replica not yet promoted). A command routed to such a slot reaches the master
+/// (redis-rs follows MOVED and learns a new topology), over the connection the cleanup
+/// wrote through.
+async fn a_slot_of_each_master(conn: &RedisConn) -> Result<Option<Vec<(u16, String)>>> {
     let text: String = redis::cmd("CLUSTER")
         .arg("NODES")
         .query_async(&mut conn.clone())
         .await?;
-    let nodes: Vec<Vec<&str>> = text
-        .lines()
-        .map(|line| line.split(' ').collect::<Vec<_>>())
-        .filter(|f| f.len() >= 8 && !f[2].contains("fail"))
-        .collect();
-    let fewest = nodes
-        .iter()
-        .filter(|f| f[2].contains("master") && f.len() > 8)
-        .map(|master| {
-            nodes
-                .iter()
-                .filter(|f| f[2].contains("slave") && f[3] == master[0] && f[7] == "connected")
-                .count()
-        })
-        .min();
-    Ok(fewest.unwrap_or(0))
+    let mut served = 0usize;
+    let mut slots = Vec::new();
+    for line in text.lines() {
+        let fields: Vec<&str> = line.split(' ').collect();
+        if fields.len() <= 8 || !fields[2].contains("master") || fields[2].contains("fail") {
+            continue;
+        }
+        let ranges: Vec<(u16, u16)> = fields[8..]
+            .iter()
+            .filter(|range| !range.starts_with('['))
+            .filter_map(|range| {
+                let (first, last) = range.split_once('-').unwrap_or((range, range));
+                Some((first.parse().ok()?, last.parse().ok()?))
+            })
+            .collect();
+        served += ranges
+            .iter()
+            .map(|(first, last)| usize::from(*last) + 1 - usize::from(*first))
+            .sum::<usize>();
+        if let Some((first, _)) = ranges.first() {
+            slots.push((*first, fields[0].to_owned()));
+        }
+    }
+    Ok((served >= 16384).then_some(slots))
 }
 
-/// WAIT on every master for the replicas it has (at most `timeout`): the writes this
-/// connection made are then on the replicas too, so a failover after it cannot lose
-/// them. Returns (replicas wanted, the fewest that acknowledged); (0, 0) without replicas,
-/// where WAIT would only sit out its timeout. Replication stays asynchronous: a replica
-/// that does not answer in time is not waited for longer (the caller says so).
-pub async fn wait_replicated(
+/// WAIT on the master of `slot` for every replica it has by its own count
+/// (`connected_slaves` of INFO replication: gossip may not yet know a new replica's
+/// role): true when they all acknowledged the writes this connection made to it. Each
+/// question goes with CLUSTER MYID in one pipeline, and counts only if `node` answered
+/// it: redis-rs sends a request whose node is gone to another node, whose WAIT says
+/// nothing of these writes. `None` when `node` did not answer (an error, or another node
+/// answered): the caller asks again.
+async fn replicated_on(
     conn: &RedisConn,
-    timeout: std::time::Duration,
-) -> Result<(usize, i64)> {
-    let wanted = cluster_min_replicas(conn).await?;
-    if wanted == 0 {
-        return Ok((0, 0));
+    (slot, node): &(u16, String),
+    timeout: Duration,
+) -> Option<bool> {
+    let on_node = |question: redis::Cmd| async move {
+        let mut pipe = redis::pipe();
+        pipe.cmd("CLUSTER").arg("MYID").add_command(question);
+        let replies = conn.pipeline_on_master_of(*slot, pipe, 2).await.ok()?;
+        let [id, answer]: [redis::Value; 2] = replies.try_into().ok()?;
+        let id: String = redis::from_redis_value(id).ok()?;
+        (id == *node).then_some(answer)
+    };
+    let info = on_node(redis::cmd("INFO").arg("replication").to_owned()).await?;
+    let text: String = redis::from_redis_value(info).ok()?;
+    let replicas: i64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("connected_slaves:"))
+        .and_then(|n| n.trim().parse().ok())?;
+    if replicas == 0 {
+        return Some(true);
     }
-    let acked: i64 = redis::cmd("WAIT")
-        .arg(wanted)
+    let wait = redis::cmd("WAIT")
+        .arg(replicas)
         .arg(timeout.as_millis() as u64)
-        .query_async(&mut conn.clone())
-        .await?;
-    Ok((wanted, acked))
+        .to_owned();
+    let acked: i64 = redis::from_redis_value(on_node(wait).await?).ok()?;
+    Some(acked >= replicas)
+}
+
+/// What [`wait_replicated`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Replicated {
+    /// Masters that serve slots.
+    pub masters: usize,
+    /// Masters that answered, themselves.
+    pub answered: usize,
+    /// Masters all of whose replicas acknowledged this connection's writes.
+    pub held: usize,
+    /// The masters up cover every slot.
+    pub every_slot: bool,
+}
+
+impl Replicated {
+    /// Every master answered and every replica holds the writes.
+    pub fn all_held(&self) -> bool {
+        self.every_slot && self.held == self.masters
+    }
+
+    /// Every master answered, and only replicas lag.
+    pub fn only_replicas_lag(&self) -> bool {
+        self.every_slot && self.answered == self.masters
+    }
+}
+
+/// WAIT on every master at once, each for all its replicas (at most `timeout`): the
+/// writes this connection made are then on the replicas too, so a failover after it
+/// cannot lose them. A master that does not answer, or not itself, is not counted as
+/// done, and neither are slots that have no master up.
+pub async fn wait_replicated(conn: &RedisConn, timeout: Duration) -> Result<Replicated> {
+    let Some(masters) = a_slot_of_each_master(conn).await? else {
+        return Ok(Replicated {
+            masters: 0,
+            answered: 0,
+            held: 0,
+            every_slot: false,
+        });
+    };
+    let waits = masters
+        .iter()
+        .map(|master| replicated_on(conn, master, timeout));
+    let answers = futures_util::future::join_all(waits).await;
+    Ok(Replicated {
+        masters: masters.len(),
+        answered: answers.iter().flatten().count(),
+        held: answers.iter().filter(|a| **a == Some(true)).count(),
+        every_slot: true,
+    })
 }
 
 /// A client for one node of the cluster, with the settings' credentials: for what is

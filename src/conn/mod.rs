@@ -36,8 +36,7 @@ mod cluster;
 mod commands;
 mod sentinel;
 pub use cluster::{
-    cluster_epoch, cluster_masters, cluster_min_replicas, key_slot, node_client, wait_replicated,
-    SlotOwners,
+    cluster_epoch, cluster_masters, key_slot, node_client, wait_replicated, Replicated, SlotOwners,
 };
 pub use commands::{delete_prefixed, each_in_flight, scan_page, transaction};
 pub use sentinel::{SentinelConn, SentinelTarget};
@@ -180,6 +179,25 @@ impl RedisConn {
     pub fn forget_slot_owners(&self) {
         if let RedisConn::Cluster(_, cache) = self {
             cache.forget();
+        }
+    }
+
+    /// On a cluster, runs `pipe` (of `count` commands) on the master that serves `slot`
+    /// (by redis-rs's own slot map), whatever keys it names; elsewhere, on the one node.
+    /// The replies are returned as they came, server errors included.
+    pub async fn pipeline_on_master_of(
+        &self,
+        slot: u16,
+        pipe: redis::Pipeline,
+        count: usize,
+    ) -> Result<Vec<redis::Value>> {
+        use redis::cluster_routing::{Route, SingleNodeRoutingInfo, SlotAddr};
+        match self {
+            RedisConn::Cluster(c, _) => {
+                let route = SingleNodeRoutingInfo::SpecificNode(Route::new(slot, SlotAddr::Master));
+                Ok(c.clone().route_pipeline(pipe, 0, count, route).await?)
+            }
+            _ => Ok(pipe.query_async(&mut self.clone()).await?),
         }
     }
 

@@ -1,0 +1,168 @@
+//! The end of a cluster walk and its replicas: the walk's deletes are on every replica
+//! the cluster counts as up before the event is acknowledged, so a master killed right
+//! after the walk's last step, with its replica behind, loses no delete for good. Real
+//! processes: a local cluster of 3 masters and 3 replicas, a replica paused with SIGSTOP,
+//! a master killed with SIGKILL. Skipped, with a message saying so, only when this
+//! redis-server cannot run a cluster.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use registry_janitor::{
+    config::Layout,
+    conn::{self},
+    keys::Keys,
+    registry::Registry,
+    status,
+};
+use registry_janitor_testkit::RedisCluster;
+
+/// The node that replicates `master` (INFO replication of each node).
+fn replica_of(cluster: &RedisCluster, master: usize) -> usize {
+    let port = cluster.nodes[master].port();
+    (0..cluster.nodes.len())
+        .find(|&i| {
+            let Ok(client) = redis::Client::open(cluster.nodes[i].url()) else {
+                return false;
+            };
+            let Ok(mut c) = client.get_connection() else {
+                return false;
+            };
+            let info: String = redis::cmd("INFO")
+                .arg("replication")
+                .query(&mut c)
+                .unwrap_or_default();
+            info.contains("role:slave") && info.contains(&format!("master_port:{port}\r"))
+        })
+        .expect("the master has a replica")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_master_killed_after_the_walk_with_its_replica_behind_loses_no_delete() {
+    init_logs();
+    if !RedisCluster::supported() {
+        cannot_run("this redis-server cannot run a cluster (or redis-cli is missing)");
+        return;
+    }
+    // The cluster's default node timeout, so that the paused replica is not flagged
+    // failed (and so no longer waited for) during the few seconds it is paused.
+    let mut cluster = tokio::task::spawn_blocking(|| {
+        RedisCluster::start_with(3, 1, || {
+            vec!["--cluster-node-timeout".to_owned(), "15000".to_owned()]
+        })
+    })
+    .await
+    .unwrap()
+    .expect("start a local cluster");
+    let layout = Layout::Keys;
+    let mut settings = settings(&cluster.nodes[0], layout);
+    settings.redis_cluster = true;
+    settings.redis_cluster_seeds = cluster.seeds();
+    settings.chunk_size = 100;
+    let conn = conn::shared_for(&conn::target_for(&settings).unwrap())
+        .await
+        .unwrap();
+    let keys = Keys::for_settings(&settings);
+    let registry = Registry::new(keys.clone(), layout);
+
+    let (dead, live) = (server("gw-dead#1"), server("gw-live#1"));
+    const USERS: usize = 3_000;
+    const LIVE: usize = 500;
+    seed(&registry, &conn, &dead, USERS).await;
+    seed(&registry, &conn, &live, LIVE).await;
+
+    // The victim serves some of the dead server's entries; its replica holds them all
+    // before it is paused, so that what it lacks is exactly the walk's deletes.
+    let forward = |n: usize| keys.user(&user(&dead, n));
+    let victim = cluster
+        .master_of(&forward(0))
+        .expect("a master serves the slot");
+    let on_victim: Vec<Vec<u8>> = (0..USERS)
+        .map(forward)
+        .filter(|k| cluster.master_of(k) == Some(victim))
+        .collect();
+    assert!(!on_victim.is_empty());
+    let replica = replica_of(&cluster, victim);
+    cluster
+        .wait_replica_caught_up(victim, 256, Duration::from_secs(30))
+        .expect("the replica catches up");
+    cluster.nodes[replica]
+        .signal("STOP")
+        .expect("pause the replica");
+
+    let worker = spawn_worker(&settings);
+    kill(&conn, &keys, &dead).await;
+
+    // The walk's deletes reach the victim (read on the victim itself)...
+    let victim_url = cluster.nodes[victim].url();
+    wait_until(
+        &cluster.nodes[victim],
+        "the walk's deletes on the victim",
+        Duration::from_secs(60),
+        || {
+            let (url, keys) = (victim_url.clone(), on_victim.clone());
+            async move {
+                tokio::task::spawn_blocking(move || {
+                    let mut c = redis::Client::open(url).ok()?.get_connection().ok()?;
+                    let mut left = 0;
+                    for k in &keys {
+                        let exists: bool = redis::cmd("EXISTS").arg(k).query(&mut c).ok()?;
+                        left += usize::from(exists);
+                    }
+                    Some(left == 0)
+                })
+                .await
+                .ok()
+                .flatten()
+                .unwrap_or(false)
+            }
+        },
+    )
+    .await;
+    // ...and stay unacknowledged while the paused replica lacks them: longer than one
+    // WAIT of the walk's end.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let before_kill = status::collect_from(&conn, &keys)
+        .await
+        .expect("status before the kill");
+    assert!(
+        !before_kill.is_idle(),
+        "the event was acknowledged while a replica lacked the walk's deletes: {before_kill:?}"
+    );
+
+    // The master dies right then; its replica, behind, takes over.
+    cluster.nodes[victim].kill();
+    cluster.nodes[replica]
+        .signal("CONT")
+        .expect("resume the replica");
+    cluster
+        .wait_ok(Duration::from_secs(90))
+        .expect("the replica takes over");
+    wait_until(
+        &cluster.nodes[0],
+        "all events acknowledged",
+        Duration::from_secs(120),
+        || async {
+            status::collect_from(&conn, &keys)
+                .await
+                .is_ok_and(|s| s.is_idle())
+        },
+    )
+    .await;
+
+    // Checked over a new connection, which learns the new topology at once.
+    let fresh = fresh_conn(&settings).await;
+    assert_eq!(
+        still_pointing(&registry, &fresh, &dead, USERS).await,
+        0,
+        "entries of the dead server back after the failover, its event acknowledged"
+    );
+    assert_eq!(
+        still_pointing(&registry, &fresh, &live, LIVE).await,
+        LIVE,
+        "live entries lost in the failover"
+    );
+    worker.stop().await;
+}
