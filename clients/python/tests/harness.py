@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -221,6 +222,157 @@ class Cluster:
     def stop(self) -> None:
         for node in self.nodes:
             node.stop()
+
+
+class ReplicaCluster:
+    """A cluster of one master (every slot) and its replica, whose replication can be
+    held back (`lag()`): the replica stays up and serves what it had, behind the master."""
+
+    # A replica is listed (CLUSTER SLOTS) once its replication offset is above 0: the
+    # master's pings of its replicas (every repl-ping-replica-period s) move it.
+    OPTIONS = ("--repl-diskless-sync-delay", "0", "--repl-ping-replica-period", "1")
+
+    def __init__(self) -> None:
+        self.master = RedisServer(*self.OPTIONS, cluster=True)
+        try:
+            self.replica = RedisServer(*self.OPTIONS, cluster=True)
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> None:
+        m, r = self.master.admin(), self.replica.admin()
+        m.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+        r.execute_command("CLUSTER", "MEET", "127.0.0.1", self.master.port)
+        master_id = m.execute_command("CLUSTER", "MYID")
+        master_id = master_id.decode() if isinstance(master_id, bytes) else master_id
+        wait_for(lambda: all(int(n.admin().cluster("info").get("cluster_known_nodes", 0)) == 2
+                             for n in (self.master, self.replica)), 10, "the nodes meeting")
+        r.execute_command("CLUSTER", "REPLICATE", master_id)
+        wait_for(lambda: r.info("replication").get("master_link_status") == "up", 30, "the replica in sync")
+        wait_for(lambda: all(n.admin().cluster("info").get("cluster_state") == "ok" for n in (self.master, self.replica))
+                 and len(RedisCluster(host="127.0.0.1", port=self.master.port).get_replicas()) == 1,
+                 30, "cluster_state:ok and the replica known", every=0.2)
+
+    def client(self, protocol: int = 2, **options: Any) -> RedisCluster:
+        return RedisCluster(host="127.0.0.1", port=self.master.port, protocol=protocol,
+                            socket_timeout=5, socket_connect_timeout=2, **options)
+
+    def async_client(self, protocol: int = 2, **options: Any) -> AsyncRedisCluster:
+        return AsyncRedisCluster(host="127.0.0.1", port=self.master.port, protocol=protocol,
+                                 socket_timeout=5, socket_connect_timeout=2, **options)
+
+    def lag(self) -> None:
+        """The replica falls behind: the master refuses it replication (ACL) and drops
+        its link; the replica keeps serving the data it had."""
+        m = self.master.admin()
+        m.execute_command("ACL", "SETUSER", "default", "-psync", "-sync", "-replconf")
+        m.execute_command("CLIENT", "KILL", "TYPE", "replica")
+        wait_for(lambda: self.replica.admin().info("replication").get("master_link_status") == "down",
+                 10, "the replica's link down")
+
+    def catch_up(self) -> None:
+        self.master.admin().execute_command("ACL", "SETUSER", "default", "+@all")
+        wait_for(lambda: self.replica.admin().info("replication").get("master_link_status") == "up",
+                 30, "the replica in sync again")
+
+    def replica_exists(self, key: str) -> int:
+        """EXISTS on the replica itself (READONLY), not redirected to the master."""
+        connection = self.replica.admin().connection_pool.get_connection()
+        try:
+            connection.send_command("READONLY")
+            connection.read_response()
+            connection.send_command("EXISTS", key)
+            return int(connection.read_response())
+        finally:
+            connection.disconnect()
+
+    def stop(self) -> None:
+        for node in (self.master, getattr(self, "replica", None)):
+            if node is not None:
+                node.stop()
+
+
+class Proxy:
+    """A TCP proxy to 127.0.0.1:<port>, to cut a client off Redis. cut(): its connections
+    are closed and new ones closed at once (errors at once, as a restart or a reset
+    gives); swallow(): connections stay open and every byte is dropped, both ways, new
+    connections too (a partition without a reset: no reply, no error); heal() ends
+    either."""
+
+    def __init__(self, port: int):
+        self.target = port
+        self.mode = "pass"
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, name=f"proxy {self.port}", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            if self.mode == "cut":
+                client.close()
+                continue
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._sockets += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _pipe(self, a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(65536):
+                if self.mode == "pass":
+                    b.sendall(data)
+                elif self.mode == "cut":
+                    break
+                # swallow: dropped
+        except OSError:
+            pass
+        for s in (a, b):
+            _close(s)
+
+    def _close_all(self) -> None:
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for s in sockets:
+            _close(s)
+
+    def cut(self) -> None:
+        self.mode = "cut"
+        self._close_all()
+
+    def swallow(self) -> None:
+        self.mode = "swallow"
+
+    def heal(self) -> None:
+        self.mode = "pass"
+
+    def stop(self) -> None:
+        self.mode = "cut"
+        _close(self._listener)
+        self._close_all()
+
+
+def _close(s: socket.socket) -> None:
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    try:
+        s.close()
+    except OSError:
+        pass
 
 
 class SentinelSet:

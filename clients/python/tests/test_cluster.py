@@ -9,10 +9,12 @@ import sys
 import threading
 import time
 import unittest
+import warnings
 
 import harness
+import redis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
-from redis.cluster import RedisCluster
+from redis.cluster import LoadBalancingStrategy, RedisCluster
 from registry_janitor_client import (
     SCRIPTS,
     AsyncConnectionServer,
@@ -240,6 +242,38 @@ class ClusterTests:
             server.start()
         plain.close()
 
+    def test_close_releases_before_the_member_scripts(self):
+        """close(): an entry whose release.lua fails keeps its member (the janitor finds the
+        entry through it); the others go; the error is raised, the liveness left."""
+        prefix = f"closeorder{self.PROTOCOL}:"
+        s = self.server("keys", prefix)
+        s.start()
+        s.register("alice")
+        s.register("bob")
+        self.redis.delete(f"{prefix}user:bob")
+        self.redis.rpush(f"{prefix}user:bob", "not an owner")  # release.lua: WRONGTYPE
+        with self.assertRaises(redis.exceptions.ResponseError) as caught:
+            s.close()
+        self.assertIn("WRONGTYPE", str(caught.exception))
+        self.assertEqual(self.redis.smembers(f"{prefix}server:{{{s.server_id}}}:users"), {b"bob"},
+                         "a member was removed while its forward entry could not be released")
+        self.assertIsNone(self.redis.get(f"{prefix}user:alice"))
+        self.assertEqual(self.redis.exists(f"{prefix}server:{{{s.server_id}}}:alive"), 1)
+
+    def test_close_of_a_fenced_server_with_a_failed_release_reports_fenced(self):
+        prefix = f"closefenced{self.PROTOCOL}:"
+        calls = []
+        s = self.server("keys", prefix, on_fenced=calls.append)
+        s.start()
+        s.register("alice")
+        s.register("bob")
+        self.redis.delete(f"{prefix}user:bob")
+        self.redis.rpush(f"{prefix}user:bob", "not an owner")
+        harness.fence(self.redis, s.server_id, prefix)
+        s.close()  # FENCED wins over bob's error: on_fenced, nothing raised
+        self.assertEqual(len(calls), 1)
+        self.assertTrue(s.fenced)
+
     def test_noscript_on_a_cluster(self):
         prefix = f"noscript{self.PROTOCOL}:"
         s = self.server("keys", prefix)
@@ -285,6 +319,60 @@ class ClusterWorker(unittest.TestCase):
             server.close()
         finally:
             worker.stop()
+
+
+class ReplicaReads(unittest.TestCase):
+    """One master and a replica that lags: a RedisCluster that reads from replicas would
+    miss the fence (route a fenced owner, register past EXISTS F): it is refused; the
+    default client reads from the master."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.cluster = harness.ReplicaCluster()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.cluster.stop()
+
+    def test_a_cluster_client_that_reads_from_replicas_is_refused(self):
+        c = self.cluster
+        primary = c.client()
+        s = ConnectionServer(primary, new_server_id("rgw"), key_prefix="rr:", ttl_ms=60_000)
+        s.start()
+        s.register("alice")
+        harness.wait_for(lambda: c.replica_exists("rr:user:alice"), 10, "alice on the replica")
+        c.lag()
+        try:
+            harness.fence(primary, s.server_id, "rr:")
+            fence = f"rr:server:{{{s.server_id}}}:fenced"
+            self.assertEqual((primary.exists(fence), c.replica_exists(fence)), (1, 0), "the replica does not lag")
+            for options in ({"load_balancing_strategy": LoadBalancingStrategy.ROUND_ROBIN_REPLICAS},
+                            {"load_balancing_strategy": LoadBalancingStrategy.ROUND_ROBIN},
+                            {"read_from_replicas": True}):
+                with self.subTest(**{k: str(v) for k, v in options.items()}):
+                    with warnings.catch_warnings():  # read_from_replicas is deprecated in redis-py 5.3+
+                        warnings.simplefilter("ignore", DeprecationWarning)
+                        replicas, areplicas = c.client(**options), c.async_client(**options)
+                    for make in (lambda: Router(replicas, key_prefix="rr:"),
+                                 lambda: ConnectionServer(replicas, new_server_id("rgw"), key_prefix="rr:")):
+                        with self.assertRaises(ValueError) as caught:
+                            routed = make()
+                            if isinstance(routed, Router):  # not refused: what it would answer
+                                self.fail(f"not refused; route(alice) -> {[routed.route('alice') for _ in range(4)]}")
+                        self.assertIn("reads from replicas", str(caught.exception))
+                    replicas.close()
+                    for make in (lambda: AsyncRouter(areplicas), lambda: AsyncConnectionServer(areplicas, "a#1")):
+                        with self.assertRaises(ValueError):
+                            make()
+            # The default client reads from the master, which has the fence.
+            self.assertIsNone(Router(primary, key_prefix="rr:").route("alice"))
+            with self.assertRaises(Fenced):
+                s.register("bob")
+            self.assertIsNone(primary.get("rr:user:bob"))
+        finally:
+            c.catch_up()
+            s.close()
+            primary.close()
 
 
 class AsyncClusterTests:

@@ -24,7 +24,7 @@ class CountingRedis(redis.Redis):
 
 BAD_SERVER_IDS = ["", "gw 7", "gw\t7", "gw{7}", "gw}", "x" * 201, "gw-é", "gw\x7f", b"gw\xff"]
 BAD_CONNECTION_IDS = ["", "ph one", "tab{1}", "c" * 201, "ç", None, "a\nb"]
-BAD_USER_IDS = ["", b"", "u" * 513, b"\x00" * 513, "é" * 257]
+BAD_USER_IDS = ["", b"", "u" * 513, b"\x00" * 513, "é" * 257, "\ud800", "alice\udcff"]  # lone surrogates: no UTF-8
 
 
 def setUpModule():
@@ -62,6 +62,14 @@ class ServerIds(unittest.TestCase):
         self.assertEqual(ConnectionServer.new_server_id("gw-7").split("#")[0], "gw-7")
         with self.assertRaises(InvalidId):
             new_server_id("gw 7")
+
+    def test_new_server_id_of_an_id_replaces_its_suffix(self):
+        """Restarting from the last id: 'gw-7#1732181000123' -> 'gw-7#<now>', never longer."""
+        sid = "gw-7#1732181000123"
+        for _ in range(3):
+            sid = new_server_id(sid)
+            self.assertRegex(sid, r"^gw-7#\d{13}$")
+        self.assertRegex(ConnectionServer.new_server_id("x" * 185 + "#1732181000123"), r"^x{185}#\d{13}$")
 
 
 class UserAndConnectionIds(unittest.TestCase):
@@ -104,6 +112,16 @@ class UserAndConnectionIds(unittest.TestCase):
         finally:
             for server in servers.values():
                 server.close()
+
+    def test_a_str_without_utf8_is_refused_with_the_rule(self):
+        from registry_janitor_client import ids
+
+        with self.assertRaises(InvalidId) as caught:
+            ids.user_id("alice\ud800")
+        self.assertEqual(caught.exception.kind, "user id")
+        self.assertEqual(caught.exception.rule, ids.USER_ID_RULE)
+        self.assertEqual(caught.exception.value, "alice\ud800")
+        self.assertIn("no UTF-8 encoding", str(caught.exception))
 
     def test_limits_are_inclusive_and_any_bytes_go(self):
         client = redis.Redis(port=SERVER.port)

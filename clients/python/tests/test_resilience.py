@@ -121,5 +121,67 @@ class Resilience(unittest.TestCase):
         asyncio.run(scenario())
 
 
+class Partition(unittest.TestCase):
+    """A partition that drops bytes without a reset (the proxy swallows them), with
+    redis-py's default client: no socket_timeout, so a call waits for a reply for ever."""
+
+    def setUp(self):
+        SERVER.admin().flushall()
+        self.proxy = harness.Proxy(SERVER.port)
+
+    def tearDown(self):
+        self.proxy.stop()  # also ends the calls still blocked on its connections
+
+    def test_a_blocked_heartbeat_is_reported_and_close_does_not_hang(self):
+        lost = []
+        with self.assertLogs("registry_janitor_client", "WARNING") as logs:
+            server = ConnectionServer(redis.Redis(port=self.proxy.port), new_server_id("gw"), ttl_ms=1000,
+                                      heartbeat_interval_ms=300, on_heartbeat_lost=lost.append)
+        self.assertIn("no socket_timeout", logs.output[0])
+        server.start()
+        server.register("alice")
+        self.proxy.swallow()
+        swallowed = time.monotonic()
+        harness.wait_for(lambda: lost, 8, "on_heartbeat_lost while the heartbeat is blocked")
+        self.assertLess(time.monotonic() - swallowed, 3)
+        self.assertEqual(len(lost), 1)
+        self.assertIsInstance(lost[0].error, redis.exceptions.TimeoutError)
+        self.assertIn("no reply", str(lost[0].error))
+        self.assertGreater(lost[0].for_ms, 1000)
+        self.proxy.heal()  # the heartbeat's own connection stays blocked: its bytes are gone
+        closing = threading.Thread(target=server.close, daemon=True)
+        closing.start()
+        closing.join(10)
+        self.assertFalse(closing.is_alive(), "close() hangs on the blocked heartbeat thread")
+        admin = SERVER.admin()
+        self.assertIsNone(admin.get("user:alice"))
+        self.assertEqual(admin.exists(f"server:{{{server.server_id}}}:alive"), 0)
+        self.assertIsNone(admin.zscore("servers", server.server_id))
+
+    def test_a_client_with_socket_timeout_gets_no_warning(self):
+        with self.assertNoLogs("registry_janitor_client", "WARNING"):
+            ConnectionServer(SERVER.client(), new_server_id("gw"))
+
+    def test_async_heartbeat_is_bounded_by_the_interval(self):
+        async def scenario():
+            lost, restored = [], asyncio.Event()
+            client = redis.asyncio.Redis(port=self.proxy.port)
+            with self.assertLogs("registry_janitor_client", "WARNING"):
+                server = AsyncConnectionServer(client, new_server_id("agw"), ttl_ms=1000, heartbeat_interval_ms=300,
+                                               on_heartbeat_lost=lost.append, on_heartbeat_restored=restored.set)
+            await server.start()
+            await server.register("alice")
+            self.proxy.swallow()
+            await asyncio.to_thread(harness.wait_for, lambda: lost, 8, "on_heartbeat_lost")
+            self.assertIsInstance(lost[0].error, redis.exceptions.TimeoutError)
+            self.proxy.heal()
+            await asyncio.wait_for(restored.wait(), 10)
+            await asyncio.wait_for(server.close(), 10)
+            self.assertEqual(SERVER.admin().exists(f"server:{{{server.server_id}}}:alive", "user:alice"), 0)
+            await client.aclose()
+
+        asyncio.run(scenario())
+
+
 if __name__ == "__main__":
     unittest.main()

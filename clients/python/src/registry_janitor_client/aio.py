@@ -7,11 +7,11 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Sequence
 
 from redis import exceptions as rex
 
-from ._core import RouterState, ServerState, leave_outcome, log, now_ms, report
+from ._core import RouterState, ServerState, Superseded, leave_outcome, log, now_ms, report
 from .errors import Fenced
 from .retry import NO_RETRY, RetryPolicy, retry_async, stale_primary_pool
 from .scripts import READ_ONLY, SOURCES
@@ -41,6 +41,10 @@ async def _report(callback: Callable[..., Any] | None, *args: Any) -> None:
             log.exception("registry_janitor_client: callback %r failed", callback)
 
 
+#: Wraps one attempt of an op: awaits it (call()) or raises instead.
+AsyncGuard = Callable[[Callable[[], Awaitable[Any]]], Awaitable[Any]]
+
+
 class AsyncExecutor:
     """The asyncio twin of sync.Executor."""
 
@@ -49,9 +53,14 @@ class AsyncExecutor:
         self.retry = retry
         self.read_only = True
 
-    async def run(self, steps: Steps[T], retry: RetryPolicy | None = None) -> T:
+    async def run(self, steps: Steps[T], retry: RetryPolicy | None = None, guard: AsyncGuard | None = None) -> T:
+        """Runs `steps`; each attempt of each op through `guard` (which may refuse it)."""
         policy = retry or self.retry
-        return await drive_async(steps, lambda op: retry_async(lambda: self._once(op), policy, self.client))
+
+        def attempt(op: Op) -> Awaitable[Any]:
+            return self._once(op) if guard is None else guard(lambda: self._once(op))
+
+        return await drive_async(steps, lambda op: retry_async(lambda: attempt(op), policy, self.client))
 
     async def _once(self, op: Op) -> Any:
         try:
@@ -125,6 +134,12 @@ class AsyncConnectionServer(ServerState):
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
+    def _new_lock(self) -> Any:
+        return asyncio.Lock()
+
+    def _new_event(self) -> Any:
+        return asyncio.Event()
+
     async def __aenter__(self) -> "AsyncConnectionServer":
         await self.start()
         return self
@@ -132,9 +147,9 @@ class AsyncConnectionServer(ServerState):
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    async def _run(self, steps: Steps[T], retry: RetryPolicy | None = None) -> T:
+    async def _run(self, steps: Steps[T], retry: RetryPolicy | None = None, guard: AsyncGuard | None = None) -> T:
         try:
-            return await self._executor.run(steps, retry)
+            return await self._executor.run(steps, retry, guard)
         except Fenced as error:
             await self._fenced(error)
             raise
@@ -146,17 +161,38 @@ class AsyncConnectionServer(ServerState):
 
     async def start(self) -> None:
         """The first heartbeat (retried while Redis is unreachable or in a passing state;
-        Fenced if this id is fenced), then one every heartbeat_interval_ms on a task."""
+        Fenced if this id is fenced), then one every heartbeat_interval_ms on a task.
+        register() is open once it has returned."""
         self._mark_started()
-        began = time.monotonic()
         try:
-            await self._run(self._protocol.heartbeat(self._server_id, self.ttl_ms, now_ms()))
-        except BaseException:
-            with self._lock:
-                self._started = self.fenced
-            raise
-        self._clock.succeeded()
-        self._task = asyncio.create_task(self._beat(began), name=f"heartbeat {self._server_id}")
+            began = time.monotonic()
+
+            async def unless_closed(call: Callable[[], Awaitable[Any]]) -> Any:
+                self._check_starting()
+                return await call()
+
+            try:
+                await self._run(self._protocol.heartbeat(self._server_id, self.ttl_ms, now_ms()), guard=unless_closed)
+            except BaseException:
+                self._start_failed()
+                raise
+            self._clock.succeeded()
+            if not self._mark_running():
+                return  # closed meanwhile: close() waits for this call, then leaves
+            self._task = asyncio.create_task(self._beat(began), name=f"heartbeat {self._server_id}")
+        finally:
+            self._end_call()
+
+    async def _heartbeat(self) -> None:
+        """One heartbeat, bounded by the interval: without a socket_timeout, a call on a
+        connection whose bytes are dropped would otherwise never end."""
+        steps = self._protocol.heartbeat(self._server_id, self.ttl_ms, now_ms())
+        try:
+            await asyncio.wait_for(self._executor.run(steps, NO_RETRY), self.heartbeat_interval_ms / 1000)
+        except TimeoutError:
+            raise rex.TimeoutError(
+                f"heartbeat: no reply within {self.heartbeat_interval_ms} ms (the interval)"
+            ) from None
 
     async def _beat(self, began: float) -> None:
         while True:
@@ -166,9 +202,9 @@ class AsyncConnectionServer(ServerState):
             except TimeoutError:
                 pass
             began = time.monotonic()
+            self._clock.begin()
             try:
-                steps = self._protocol.heartbeat(self._server_id, self.ttl_ms, now_ms())
-                await self._executor.run(steps, NO_RETRY)
+                await self._heartbeat()
             except Fenced as error:
                 await self._fenced(error)
                 return
@@ -188,34 +224,57 @@ class AsyncConnectionServer(ServerState):
 
     async def register(self, user: str | bytes, connection: str | None = None) -> None:
         """A user connected (layout conns: connection `connection` of the user opened).
-        Fenced if this server was declared dead (nothing is written)."""
+        Fenced if this server was declared dead (nothing is written). Returns without
+        writing further if an unregister() of the same entry is called meanwhile;
+        Closed if close() is."""
         entry = self._entry(user, connection)
-        self._usable()
-        self._track(entry, True)
+        admitted = self._begin(entry, registering=True)
+        assert admitted is not None
+        order, generation = admitted
+
+        async def in_order(call: Callable[[], Awaitable[Any]]) -> Any:
+            async with order.lock:
+                self._admit(entry, order, generation)
+                return await call()
+
         try:
-            await self._run(self._protocol.register(self._server_id, *entry))
+            await self._run(self._protocol.register(self._server_id, *entry), guard=in_order)
+        except Superseded as superseded:
+            if superseded.by_close:
+                raise self._closed_error() from None
         except Fenced:
             self._track(entry, False)
             raise
+        finally:
+            self._end(entry, order)
 
     async def unregister(self, user: str | bytes, connection: str | None = None) -> bool:
         """A clean disconnect; True if the forward entry (layout conns: the connection's
         field) named this server and was deleted."""
         entry = self._entry(user, connection)
-        if not self._usable(unregistering=True):
+        admitted = self._begin(entry, registering=False)
+        if admitted is None:
             return False
-        deleted = await self._run(self._protocol.unregister(self._server_id, *entry))
-        self._track(entry, False)
-        return deleted
+        order, _ = admitted
+        try:
+            async with order.lock:  # after the attempt in flight of a register made before
+                deleted = await self._run(self._protocol.unregister(self._server_id, *entry))
+                self._track(entry, False)
+                return deleted
+        finally:
+            self._end(entry, order)
 
     async def close(self) -> None:
-        """As ConnectionServer.close: stop the heartbeat, unregister what is held, leave."""
+        """As ConnectionServer.close: stop the heartbeat, wait for the calls in flight,
+        unregister what is held, leave."""
         if not self._mark_closed():
             return
         self._stop.set()
+        if not self.fenced:  # from on_fenced, inside a call in flight: nothing to wait for
+            await self._idle.wait()
         if self._task is not None and self._task is not asyncio.current_task():
-            await self._task
-        if self.fenced or not self._started:
+            await self._task  # a heartbeat in progress ends within an interval
+        if not self._must_leave():
             return
         entries = self._held_entries()
         results = await self._run(self._protocol.unregister_all(self._server_id, entries)) if entries else []
@@ -227,6 +286,7 @@ class AsyncConnectionServer(ServerState):
             raise other
         with self._lock:
             self._entries.clear()
+        self._left = True
         await self._run(self._protocol.leave(self._server_id))
 
 

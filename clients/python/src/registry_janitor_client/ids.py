@@ -57,7 +57,12 @@ def user_id(value: object) -> bytes:
     id has none (docs/connections.md).
     """
     if isinstance(value, str):
-        raw = value.encode("utf-8")
+        try:
+            raw = value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            # A lone surrogate ('\ud800', e.g. from os.fsdecode or surrogateescape): no UTF-8.
+            shown = f"{_shown(value)}, which has no UTF-8 encoding ({error.reason} at {error.start})"
+            raise InvalidId("user id", USER_ID_RULE, value, shown) from None
     elif isinstance(value, (bytes, bytearray, memoryview)):
         raw = bytes(value)
     else:
@@ -76,10 +81,13 @@ _last_lock = threading.Lock()
 
 
 def new_server_id(base: str) -> str:
-    """`gw-7` -> `gw-7#<unix ms>`: a new incarnation's id (checked against the rule). Two
-    calls in one process never get the same number (the second takes the next ms)."""
+    """`gw-7` -> `gw-7#<unix ms>`: a new incarnation's id (checked against the rule). An
+    id given as the base keeps its name only (`gw-7#1732181000123` -> `gw-7#<now>`, as the
+    Node.js client), so that restarting from the last id does not grow it. Two calls in one
+    process never get the same number (the second takes the next ms)."""
     global _last_ms
+    name = base.partition("#")[0] if isinstance(base, str) else base
     with _last_lock:
         _last_ms = max(_last_ms + 1, time.time_ns() // 1_000_000)
         stamp = _last_ms
-    return server_id(f"{base}#{stamp}")
+    return server_id(f"{name}#{stamp}")

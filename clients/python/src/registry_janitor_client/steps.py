@@ -323,9 +323,17 @@ class Protocol:
             if not self.cluster:
                 replies = yield Batch(tuple(Script(e.script, (*e.member_keys, e.forward), e.args) for e in parts))
             else:
+                # The specification's order per entry: release.lua, then the member script,
+                # only where the release went through (a member removed while its forward
+                # entry stays would hide that entry from the janitor's walk). The error of
+                # a release stays in place of its entry; FENCED is told apart by the caller.
                 released = yield Batch(tuple(e.release for e in parts))
-                members = yield Batch(tuple(Script(e.script, e.member_keys, e.args) for e in parts))
-                replies = [r if isinstance(r, Exception) else m for r, m in zip(released, members)]
+                done = [i for i, r in enumerate(released) if not isinstance(r, Exception)]
+                members = (yield Batch(tuple(Script(parts[i].script, parts[i].member_keys, parts[i].args)
+                                             for i in done))) if done else []
+                replies = list(released)
+                for i, member in zip(done, members):
+                    replies[i] = member
             results.extend(replies)
         return results
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from redis import exceptions as rex
 
-from ._core import RouterState, ServerState, leave_outcome, log, now_ms, report
+from ._core import HeartbeatLost, RouterState, ServerState, Superseded, leave_outcome, log, now_ms, report
 from .errors import Fenced
 from .retry import NO_RETRY, RetryPolicy, retry_sync, stale_primary_pool
 from .scripts import READ_ONLY, SOURCES
@@ -30,6 +30,10 @@ from .steps import (
 )
 
 
+#: Wraps one attempt of an op: runs it (call()) or raises instead.
+Guard = Callable[[Callable[[], Any]], Any]
+
+
 class Executor:
     """Sends the steps' ops to one client: EVALSHA with a NOSCRIPT fallback (SCRIPT LOAD,
     then again), EVALSHA_RO for the read-only scripts with a fallback to EVALSHA where
@@ -40,9 +44,14 @@ class Executor:
         self.retry = retry
         self.read_only = True  # False once EVALSHA_RO was refused and EVALSHA answered
 
-    def run(self, steps: Steps[T], retry: RetryPolicy | None = None) -> T:
+    def run(self, steps: Steps[T], retry: RetryPolicy | None = None, guard: Guard | None = None) -> T:
+        """Runs `steps`; each attempt of each op through `guard` (which may refuse it)."""
         policy = retry or self.retry
-        return drive(steps, lambda op: retry_sync(lambda: self._once(op), policy, self.client))
+
+        def attempt(op: Op) -> Any:
+            return self._once(op) if guard is None else guard(lambda: self._once(op))
+
+        return drive(steps, lambda op: retry_sync(lambda: attempt(op), policy, self.client))
 
     def _once(self, op: Op) -> Any:
         try:
@@ -122,6 +131,13 @@ class ConnectionServer(ServerState):
         self._executor = Executor(redis, self.retry)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._watchdog: threading.Thread | None = None
+
+    def _new_lock(self) -> Any:
+        return threading.Lock()
+
+    def _new_event(self) -> Any:
+        return threading.Event()
 
     def __enter__(self) -> "ConnectionServer":
         self.start()
@@ -130,9 +146,9 @@ class ConnectionServer(ServerState):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _run(self, steps: Steps[T], retry: RetryPolicy | None = None) -> T:
+    def _run(self, steps: Steps[T], retry: RetryPolicy | None = None, guard: Guard | None = None) -> T:
         try:
-            return self._executor.run(steps, retry)
+            return self._executor.run(steps, retry, guard)
         except Fenced as error:
             self._fenced(error)
             raise
@@ -144,77 +160,136 @@ class ConnectionServer(ServerState):
 
     def start(self) -> None:
         """The first heartbeat (retried while Redis is unreachable or in a passing state;
-        Fenced if this id is fenced), then one every heartbeat_interval_ms on a thread."""
+        Fenced if this id is fenced), then one every heartbeat_interval_ms on a thread.
+        register() is open once it has returned."""
         self._mark_started()
-        began = time.monotonic()
         try:
-            self._run(self._protocol.heartbeat(self._server_id, self.ttl_ms, now_ms()))
-        except BaseException:
-            with self._lock:
-                self._started = self.fenced
-            raise
-        self._clock.succeeded()
-        self._thread = threading.Thread(
-            target=self._beat, args=(began,), name=f"heartbeat {self._server_id}", daemon=True
-        )
-        self._thread.start()
+            began = time.monotonic()
+
+            def unless_closed(call: Callable[[], Any]) -> Any:
+                self._check_starting()
+                return call()
+
+            try:
+                self._run(self._protocol.heartbeat(self._server_id, self.ttl_ms, now_ms()), guard=unless_closed)
+            except BaseException:
+                self._start_failed()
+                raise
+            self._clock.succeeded()
+            if not self._mark_running():
+                return  # closed meanwhile: close() waits for this call, then leaves
+            name = f"heartbeat {self._server_id}"
+            self._thread = threading.Thread(target=self._beat, args=(began,), name=name, daemon=True)
+            self._watchdog = threading.Thread(target=self._watch, name=f"{name} watchdog", daemon=True)
+            self._thread.start()
+            self._watchdog.start()
+        finally:
+            self._end_call()
 
     def _beat(self, began: float) -> None:
         while not self._stop.wait(self._clock.next_delay(began)):
             began = time.monotonic()
+            self._clock.begin()
             try:
                 self._executor.run(self._protocol.heartbeat(self._server_id, self.ttl_ms, now_ms()), NO_RETRY)
             except Fenced as error:
                 self._fenced(error)
                 return
             except Exception as error:
+                self._leave_again()
                 pool = stale_primary_pool(self.redis, error)
                 if pool is not None:
                     pool.disconnect()
                 lost = self._clock.failed(error)
                 log.debug("heartbeat of %s failed: %r", self._server_id, error)
                 if lost is not None:
-                    log.warning("heartbeats of %s lost since %d: %r", self._server_id, lost.since_ms, error)
-                    report(self.on_heartbeat_lost, lost)
+                    self._lost(lost)
             else:
+                self._leave_again()
                 if self._clock.succeeded():
                     log.info("heartbeats of %s restored", self._server_id)
                     report(self.on_heartbeat_restored)
 
+    def _watch(self) -> None:
+        """The watchdog: reports a lost stretch while a heartbeat is blocked in a call that
+        neither answers nor times out (a client without socket_timeout, a partition that
+        drops bytes)."""
+        while not self._stop.wait(self._clock.watch_delay()):
+            lost = self._clock.overdue()
+            if lost is not None and not self._stop.is_set():
+                self._lost(lost)
+
+    def _lost(self, lost: HeartbeatLost) -> None:
+        log.warning("heartbeats of %s lost since %d: %r", self._server_id, lost.since_ms, lost.error)
+        report(self.on_heartbeat_lost, lost)
+
+    def _leave_again(self) -> None:
+        """A heartbeat that was blocked while close() left may have landed after it: leave
+        once more, so that the closed server is not taken for a dead one."""
+        if not self._left:
+            return
+        try:
+            self._executor.run(self._protocol.leave(self._server_id), NO_RETRY)
+        except Exception as error:
+            log.debug("%s: leaving again after a late heartbeat failed: %r", self._server_id, error)
+
     def register(self, user: str | bytes, connection: str | None = None) -> None:
         """A user connected (layout conns: connection `connection` of the user opened).
-        Fenced if this server was declared dead (nothing is written)."""
+        Fenced if this server was declared dead (nothing is written). Returns without
+        writing further if an unregister() of the same entry is called meanwhile;
+        Closed if close() is."""
         entry = self._entry(user, connection)
-        self._usable()
-        self._track(entry, True)
+        admitted = self._begin(entry, registering=True)
+        assert admitted is not None
+        order, generation = admitted
+
+        def in_order(call: Callable[[], Any]) -> Any:
+            with order.lock:
+                self._admit(entry, order, generation)
+                return call()
+
         try:
-            self._run(self._protocol.register(self._server_id, *entry))
+            self._run(self._protocol.register(self._server_id, *entry), guard=in_order)
+        except Superseded as superseded:
+            if superseded.by_close:
+                raise self._closed_error() from None
         except Fenced:
             self._track(entry, False)
             raise
+        finally:
+            self._end(entry, order)
 
     def unregister(self, user: str | bytes, connection: str | None = None) -> bool:
         """A clean disconnect; True if the forward entry (layout conns: the connection's
         field) named this server and was deleted. After close(): False, sending nothing
         (close() unregistered everything)."""
         entry = self._entry(user, connection)
-        if not self._usable(unregistering=True):
+        admitted = self._begin(entry, registering=False)
+        if admitted is None:
             return False
-        deleted = self._run(self._protocol.unregister(self._server_id, *entry))
-        self._track(entry, False)
-        return deleted
+        order, _ = admitted
+        try:
+            with order.lock:  # after the attempt in flight of a register made before
+                deleted = self._run(self._protocol.unregister(self._server_id, *entry))
+                self._track(entry, False)
+                return deleted
+        finally:
+            self._end(entry, order)
 
     def close(self) -> None:
-        """Stops the heartbeat; then, unless fenced, unregisters every entry still held and
-        removes the liveness key and the `servers` member, so that the janitor has nothing
-        to clean. If an entry cannot be unregistered, its error is raised and the liveness
-        key is left to expire (the janitor then cleans what is left)."""
+        """Stops the heartbeat; waits for the calls in flight (a register() still retrying
+        sends no further attempt and raises Closed); then, unless fenced, unregisters
+        every entry still held and removes the liveness key and the `servers` member, so
+        that the janitor has nothing to clean. If an entry cannot be unregistered, its
+        error is raised and the liveness key is left to expire (the janitor then cleans
+        what is left)."""
         if not self._mark_closed():
             return
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
-        if self.fenced or not self._started:
+        if not self.fenced:  # from on_fenced, inside a call in flight: nothing to wait for
+            self._idle.wait()
+        self._join_heartbeat()
+        if not self._must_leave():
             return
         entries = self._held_entries()
         results = self._run(self._protocol.unregister_all(self._server_id, entries)) if entries else []
@@ -226,7 +301,22 @@ class ConnectionServer(ServerState):
             raise other
         with self._lock:
             self._entries.clear()
+        self._left = True
         self._run(self._protocol.leave(self._server_id))
+
+    def _join_heartbeat(self) -> None:
+        """Waits for the heartbeat thread, at most ttl_ms: one blocked in a call to Redis
+        (no socket_timeout) is left behind, and stops once that call returns."""
+        for thread in (self._watchdog, self._thread):
+            if thread is None or thread is threading.current_thread():
+                continue
+            thread.join(self.ttl_ms / 1000)
+            if thread.is_alive():
+                log.warning(
+                    "close() of %s: the heartbeat thread is still blocked in a call to Redis after "
+                    "%d ms; going on without it (give the Redis client a socket_timeout)",
+                    self._server_id, self.ttl_ms,
+                )
 
 
 class Router:
