@@ -610,6 +610,11 @@ async fn reverse_index_drift_is_repaired_on_a_cluster(layout: Layout) {
 
     let report = reconciler.run_once().await.unwrap();
     assert_eq!(report.sweep.members_removed, 300, "{report}");
+    let ttl = count(moved_key.clone(), "PTTL").await;
+    assert!(
+        ttl > 0 && ttl <= 7 * 24 * 3_600_000,
+        "members set aside without an expiry: PTTL {ttl}"
+    );
     assert_eq!(count(users_key.clone(), "SCARD").await, 700);
     assert_eq!(count(moved_key.clone(), "ZCARD").await, 300);
 

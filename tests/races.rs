@@ -142,6 +142,15 @@ async fn members_set_aside_are_settled(layout: Layout) {
     f.reconnect(&gone, &other).await;
     let r = Reconciler::new(&f.settings, Metrics::new()).await.unwrap();
     assert_eq!(r.run_once().await.unwrap().sweep.members_removed, 2);
+    // A server that leaves `servers` now (a clean shutdown) is swept no more: its set
+    // aside members go with the key's expiry, not never.
+    let ttl: i64 = f
+        .query(redis::cmd("PTTL").arg(f.keys.server_moved(&s)))
+        .await;
+    assert!(
+        ttl > 0 && ttl <= 7 * 24 * 3_600_000,
+        "members set aside without an expiry: PTTL {ttl}"
+    );
     // `back` finishes a registration on `s` (SADD first, long ago; the entry now).
     write_forward(&f, &back, &s).await;
     tokio::time::sleep(Duration::from_millis(400)).await;

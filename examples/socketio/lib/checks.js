@@ -36,8 +36,9 @@ export function checks(r) {
 
   check('SIGTERM: the server exited 0', term.exit.code === 0, JSON.stringify(term.exit));
   // `server:{S}:moved` is the janitor's own (the reverse-index sweep's set-aside members):
-  // it is reported, not asserted; see README.md, "What does not work".
+  // a server that left `servers` is swept no more, so the set goes with its expiry.
   const serverKeys = term.keysLeft.filter((k) => !k.endsWith(':moved'));
+  check('SIGTERM: the janitor\'s set-aside members of it expire (no key kept forever)', term.movedMembers === 0 || term.movedTtlMs > 0, `${term.movedMembers} members, PTTL ${term.movedTtlMs} ms`);
   check('SIGTERM: no key of the server is left (users, alive, fence, refusals; `servers`)', serverKeys.length === 0 && !term.inServers, term.keysLeft.join(', '));
   check('SIGTERM: no forward entry names it', term.entriesNaming.length === 0, term.entriesNaming.slice(0, 5).join(', '));
   check('SIGTERM: no server.dead for it', term.deadEvents === 0, `${term.deadEvents}`);

@@ -42,7 +42,7 @@ export function render(r, cs) {
   row('SIGTERM -> every client routable elsewhere (Router, observed)', ms(term.reRoutableMs));
   const moved = term.keysLeft.filter((k) => k.endsWith(':moved'));
   row('left behind: keys / entries / server.dead', `${term.keysLeft.length - moved.length} / ${term.entriesNaming.length} / ${term.deadEvents}`);
-  if (moved.length) row('left behind by the janitor (reverse sweep, never settled)', `${moved.join(', ')} (${term.movedMembers} members)`);
+  if (moved.length) row('set aside by the janitor (reverse sweep; expires)', `${moved.join(', ')} (${term.movedMembers} members, PTTL ${term.movedTtlMs} ms)`);
   for (const f of r.falsePositives ?? []) {
     lines.push(`false positive (a live server stalled past the TTL and the grace under load): ${f.serverId} learned FENCED ${ms(f.learnedFencedMs)} after its verdict, back as ${f.backAs}`);
   }

@@ -287,6 +287,7 @@ async function run(o, log, dir, K, result, setAdmin) {
     await sleep(Math.max(o.termQuietMs, o.ttlMs + o.graceMs + 2 * o.reconcileIntervalMs + 1000));
     phase.keysLeft = await scanKeys(`${o.keyPrefix}server:{${id}}:*`);
     phase.movedMembers = await admin.zCard(K.server(id, 'moved'));
+    phase.movedTtlMs = await admin.pTTL(K.server(id, 'moved'));
     phase.inServers = (await admin.zScore(K.servers, id)) != null;
     phase.entriesNaming = await entriesNaming(id);
     phase.deadEvents = (await deadEvents()).filter((e) => e.server_id === id).length;
