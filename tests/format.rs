@@ -801,3 +801,79 @@ async fn a_cluster_chunk_is_refused_once_the_format_moved_on() {
     assert!(report.steps > 0);
     assert_eq!(still_pointing(&registry, &conn, &dead, USERS).await, 0);
 }
+
+/// After a rollback, a cleanup whose progress a newer worker wrote in the newer format:
+/// an older worker, which works under the format in use, does not read it and counts a
+/// failed delivery (it stays ready, and is not behind), so the entry is dead-lettered with
+/// the reason past `max_deliveries`; replayed while a newer worker runs, it is finished,
+/// the record written back in the format in use.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_rollback_a_cleanup_written_in_the_newer_format_goes_to_a_newer_worker() {
+    let f = Fixture::with(Layout::Hash, |s| {
+        s.claim_min_idle_ms = 1_000;
+        s.max_deliveries = 2;
+        s.chunk_size = 50;
+    });
+    const USERS: usize = 2_000;
+    let (dead, live) = (server("gw-rolled#1"), server("gw-live#1"));
+    f.seed(&dead, USERS).await;
+    f.seed(&live, 100).await;
+    // A worker of format 2 made a few steps under format 2, then the rollback.
+    format::set(&f.conn, &f.keys, 2, LIVE_MS, false)
+        .await
+        .unwrap();
+    let newer = Cleaner::new(f.keys.clone(), Layout::Hash, 50, 1).format(Build::new(2, 1));
+    for _ in 0..3 {
+        newer.step(&f.conn, &dead).await.unwrap();
+    }
+    let stamp: Option<String> = f
+        .query(
+            redis::cmd("HGET")
+                .arg(f.keys.server_cleanup(&dead))
+                .arg("format"),
+        )
+        .await;
+    assert_eq!(stamp.as_deref(), Some("2"));
+    format::set(&f.conn, &f.keys, 1, LIVE_MS, false)
+        .await
+        .unwrap();
+
+    let old_addr = free_addr();
+    let old = worker_of_format(&f.settings, 1, "old-1", &old_addr);
+    wait_ready(&f, &old_addr, 200, "the format-1 worker ready").await;
+    f.kill(&dead).await;
+    wait_until(
+        &f.redis,
+        "the cleanup dead-lettered",
+        Duration::from_secs(60),
+        || async { f.dead_letters().await.len() == 1 },
+    )
+    .await;
+    let letter = &f.dead_letters().await[0];
+    let error = String::from_utf8_lossy(letter.field("error").unwrap()).into_owned();
+    assert!(error.contains("written under format 2"), "{error}");
+    assert_eq!(
+        http_get(&old_addr, "/readyz").0,
+        200,
+        "the older worker is not behind"
+    );
+    assert_eq!(
+        metric(&old_addr, "registry_janitor_format_behind"),
+        Some(0.0)
+    );
+
+    let new_addr = free_addr();
+    let new = worker_of_format(&f.settings, 2, "new-2", &new_addr);
+    wait_ready(&f, &new_addr, 200, "the format-2 worker ready").await;
+    old.signal("TERM");
+    let (code, log) = old.wait(Duration::from_secs(20));
+    assert_eq!(code.and_then(|c| c.code()), Some(0), "{log}");
+    run_ok(janitor(&f.settings).args(["dead-letters", "replay", "--all"]));
+    f.wait_idle().await;
+    assert!(f.dead_letters().await.is_empty());
+    assert_eq!(f.still_pointing(&dead, USERS).await, 0, "stale entries");
+    assert_eq!(f.still_pointing(&live, 100).await, 100, "live entries lost");
+    new.signal("TERM");
+    let (code, log) = new.wait(Duration::from_secs(20));
+    assert_eq!(code.and_then(|c| c.code()), Some(0), "{log}");
+}

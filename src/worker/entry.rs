@@ -266,7 +266,7 @@ impl Worker {
                     .inc();
                 self.hand_off(&entry.id).await;
             }
-            Err(e @ Error::Format(_)) => {
+            Err(e @ Error::Format(_)) if !self.works_under_format_now().await => {
                 // Not a failure: a worker that works under the format in use takes over
                 // at once, from the stored progress.
                 metrics
@@ -274,7 +274,6 @@ impl Worker {
                     .with_label_values(&[outcome::ABANDONED])
                     .inc();
                 warn!(error = %e, "cleanup stopped: this worker's build does not work under the data format in use; handing it over");
-                self.format.wake();
                 self.hand_back(&entry.id).await;
             }
             Err(e) => {

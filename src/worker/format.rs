@@ -147,6 +147,30 @@ impl Worker {
         }
     }
 
+    /// After a step refused by the data format: whether this build works under the
+    /// format in use, read now (and the worker's round woken, to take it in). False: the
+    /// worker is behind (or too new), and hands the cleanup over. True: the step was
+    /// refused for the format its progress record was written in, which this build does
+    /// not read (a newer worker wrote it, before a rollback): a failed delivery like any
+    /// other, retried by whichever worker takes the entry, a newer one writing the record
+    /// back in the format in use, and dead-lettered with the reason after
+    /// `max_deliveries`.
+    pub(super) async fn works_under_format_now(&self) -> bool {
+        match format::in_use(&self.conn, &self.keys).await {
+            Ok(in_use) => {
+                if self.format.in_use() != Some(in_use) {
+                    self.format.wake();
+                }
+                self.format.build().works_under(in_use)
+            }
+            Err(e) => {
+                debug!(error = %e, "data format: reading the format in use failed");
+                self.format.wake();
+                false
+            }
+        }
+    }
+
     /// While the build does not work under the format in use: with nothing in hand, hands
     /// back every entry still pending to this consumer, then waits a little. False at
     /// shutdown.
