@@ -246,6 +246,8 @@ async fn two_formats_side_by_side_under_load_then_the_old_one_gone_then_a_rollba
 
     // The format-1 worker goes (a rolling update's last old pod): the format moves to 2.
     killed.extend(kill_next(2).await);
+    let cleaned = r#"registry_janitor_events_total{outcome="cleaned"}"#;
+    let cleaned_by_old = metric(&old_addr, cleaned).unwrap_or(0.0);
     old.signal("TERM");
     let (code, log) = old.wait(Duration::from_secs(20));
     assert_eq!(code.and_then(|c| c.code()), Some(0), "{log}");
@@ -294,7 +296,6 @@ async fn two_formats_side_by_side_under_load_then_the_old_one_gone_then_a_rollba
         .await;
     }
     killed.extend(behind_ids);
-    let cleaned = r#"registry_janitor_events_total{outcome="cleaned"}"#;
     assert_eq!(
         metric(&again_addr, cleaned),
         Some(0.0),
@@ -330,6 +331,7 @@ async fn two_formats_side_by_side_under_load_then_the_old_one_gone_then_a_rollba
         "the format moved forward again after the rollback"
     );
     // The format-2 worker goes; the format-1 worker cleans the rest alone.
+    let cleaned_by_new = metric(&new_addr, cleaned).unwrap_or(0.0);
     new.signal("TERM");
     let (code, log) = new.wait(Duration::from_secs(20));
     assert_eq!(code.and_then(|c| c.code()), Some(0), "{log}");
@@ -391,6 +393,7 @@ async fn two_formats_side_by_side_under_load_then_the_old_one_gone_then_a_rollba
         oracle.moves,
         oracle.registrations
     );
+    let cleaned_by_again = metric(&again_addr, cleaned).unwrap_or(0.0);
     again.signal("TERM");
     let (code, log) = again.wait(Duration::from_secs(20));
     assert_eq!(code.and_then(|c| c.code()), Some(0), "{log}");
@@ -402,7 +405,9 @@ async fn two_formats_side_by_side_under_load_then_the_old_one_gone_then_a_rollba
         "workers that exit withdraw their announcement"
     );
     eprintln!(
-        "format: {} events, {} moves, {} registrations across format 1 and 2 side by side, \
+        "format: {} events (cleaned: {cleaned_by_old} by the format-1 worker, \
+         {cleaned_by_new} by the format-2 worker, {cleaned_by_again} by the format-1 worker \
+         started again), {} moves, {} registrations, across format 1 and 2 side by side, \
          the move to 2 and the rollback to 1; stale 0, lost 0, pending 0",
         killed.len(),
         oracle.moves,
@@ -800,6 +805,11 @@ async fn a_cluster_chunk_is_refused_once_the_format_moved_on() {
         .unwrap();
     assert!(report.steps > 0);
     assert_eq!(still_pointing(&registry, &conn, &dead, USERS).await, 0);
+    // `format status` reads the cluster (the two keys share a slot; TIME from any node).
+    let status = format::status(&conn, &keys, Build::new(2, 1), LIVE_MS)
+        .await
+        .unwrap();
+    assert_eq!((status.in_use, status.recorded), (1, true));
 }
 
 /// After a rollback, a cleanup whose progress a newer worker wrote in the newer format:
