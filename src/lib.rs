@@ -51,7 +51,7 @@
 //!   `observation.rs`); doubtful verdicts (disputed, or of a mass silence) beyond its
 //!   limits are held (`hold/`: the decision in `mod.rs`, the fleet's census in
 //!   `census.rs`, how a hold ends in `ending.rs`).
-//! - [`format`]: the data format, which lets workers of two releases run side by side:
+//! - [`mod@format`]: the data format, which lets workers of two releases run side by side:
 //!   the format in use, each worker's announcement of its own, moving the format forward
 //!   once no older worker is left, and setting it back for a rollback.
 //! - [`maintenance`]: stream retention and removal of gone consumers.

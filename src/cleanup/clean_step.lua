@@ -37,7 +37,7 @@
 -- the progress record was written under (its field `format`, absent: 1), and refuses
 -- otherwise with the error code FORMAT, writing nothing: a worker older than the format
 -- in use makes no step once the format moved on (the check and the step are one
--- script). Every format of a build's range walks the same way today; a release that
+-- script). Every format of a build's range walks the same way so far; a release that
 -- adds a format branches here on `in_use` (what it writes) and `stamp` (what it reads).
 -- A step that writes the progress record stamps it with the format in use when the
 -- record says another (a record without the field is in format 1).

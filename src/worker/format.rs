@@ -63,7 +63,7 @@ impl Worker {
 
     /// Every `claim_min_idle_ms / 3` (or at once when a step was refused), until `stop`:
     /// one round. Once `leaving` (shutdown), the worker still announces itself, while its
-    /// cleanups drain, but no longer moves the format forward.
+    /// cleanups drain, but does not move the format forward.
     pub(super) async fn format_upkeep(
         self: Arc<Self>,
         stop: CancellationToken,
