@@ -151,12 +151,14 @@ fn start_load(
     })
 }
 
-/// Waits until `/readyz` of `addr` answers `code`; returns its body.
-async fn wait_ready(f: &Fixture, addr: &str, code: u16, what: &str) -> String {
+/// Waits until `/readyz` of `addr` answers `code`, with a body that says `saying` (a
+/// worker may be unready for other reasons a moment first, as before its first format
+/// round); returns the body.
+async fn wait_ready(f: &Fixture, addr: &str, code: u16, saying: &str, what: &str) -> String {
     let mut body = String::new();
     wait_until(&f.redis, what, Duration::from_secs(30), || {
         let (status, text) = http_get(addr, "/readyz");
-        let hit = status == code;
+        let hit = status == code && text.contains(saying);
         if hit {
             body = text;
         }
@@ -224,8 +226,8 @@ async fn two_formats_side_by_side_under_load_then_the_old_one_gone_then_a_rollba
     let (old_addr, new_addr) = (free_addr(), free_addr());
     let old = worker_of_format(&f.settings, 1, "old-1", &old_addr);
     let new = worker_of_format(&f.settings, 2, "new-2", &new_addr);
-    wait_ready(&f, &old_addr, 200, "the format-1 worker ready").await;
-    wait_ready(&f, &new_addr, 200, "the format-2 worker ready").await;
+    wait_ready(&f, &old_addr, 200, "ready", "the format-1 worker ready").await;
+    wait_ready(&f, &new_addr, 200, "ready", "the format-2 worker ready").await;
     killed.extend(kill_next(4).await);
     // Longer than the live bound: the format-2 worker could move the format forward by
     // now, but the format-1 worker is announced.
@@ -258,11 +260,13 @@ async fn two_formats_side_by_side_under_load_then_the_old_one_gone_then_a_rollba
         || async { in_use(&f).await == 2 },
     )
     .await;
-    assert!(
-        new.log().contains("moved the format in use forward"),
-        "{}",
-        new.log()
-    );
+    wait_until(
+        &f.redis,
+        "the move logged",
+        Duration::from_secs(10),
+        || async { new.log().contains("moved the format in use forward") },
+    )
+    .await;
     killed.extend(kill_next(1).await);
     // A rollback refused: the format-2 worker would move the format forward again.
     let (code, _, stderr) = format_set(&f, 1, false);
@@ -276,7 +280,14 @@ async fn two_formats_side_by_side_under_load_then_the_old_one_gone_then_a_rollba
     // An older worker started now is behind: not ready, saying why; takes nothing.
     let again_addr = free_addr();
     let again = worker_of_format(&f.settings, 1, "old-1-again", &again_addr);
-    let why = wait_ready(&f, &again_addr, 503, "the format-1 worker not ready").await;
+    let why = wait_ready(
+        &f,
+        &again_addr,
+        503,
+        "format 2 is in use",
+        "the format-1 worker not ready",
+    )
+    .await;
     assert!(
         why.contains("format 2 is in use") && why.contains("takes no work"),
         "{why}"
@@ -316,6 +327,7 @@ async fn two_formats_side_by_side_under_load_then_the_old_one_gone_then_a_rollba
         &f,
         &again_addr,
         200,
+        "ready",
         "the format-1 worker ready after the rollback",
     )
     .await;
@@ -343,10 +355,14 @@ async fn two_formats_side_by_side_under_load_then_the_old_one_gone_then_a_rollba
     stop_load.store(true, Ordering::Relaxed);
     let oracle = load.await.unwrap();
     f.wait_idle().await;
-    assert!(
-        metric(&again_addr, cleaned).unwrap_or(0.0) >= 2.0,
-        "the format-1 worker cleaned after the rollback"
-    );
+    // Counted right after each acknowledgement.
+    wait_until(
+        &f.redis,
+        "the format-1 worker cleaned after the rollback",
+        Duration::from_secs(10),
+        || async { metric(&again_addr, cleaned).unwrap_or(0.0) >= 2.0 },
+    )
+    .await;
     assert_eq!(in_use(&f).await, 1);
 
     // Every event acknowledged, nothing dead-lettered.
@@ -431,7 +447,7 @@ async fn an_older_workers_cleanup_is_handed_over_when_the_format_moves_on() {
     f.seed(&live, 500).await;
     let old_addr = free_addr();
     let old = worker_of_format(&f.settings, 1, "old-1", &old_addr);
-    wait_ready(&f, &old_addr, 200, "the format-1 worker ready").await;
+    wait_ready(&f, &old_addr, 200, "ready", "the format-1 worker ready").await;
     let id = f.kill(&dead).await;
     wait_walked(&f.redis, &f.conn, &f.keys, &dead, 200).await;
 
@@ -449,7 +465,14 @@ async fn an_older_workers_cleanup_is_handed_over_when_the_format_moves_on() {
         "the forced set names who stops: {stdout}"
     );
 
-    let why = wait_ready(&f, &old_addr, 503, "the format-1 worker behind").await;
+    let why = wait_ready(
+        &f,
+        &old_addr,
+        503,
+        "format 2 is in use",
+        "the format-1 worker behind",
+    )
+    .await;
     assert!(why.contains("format 2 is in use"), "{why}");
     wait_until(
         &f.redis,
@@ -850,7 +873,7 @@ async fn after_a_rollback_a_cleanup_written_in_the_newer_format_goes_to_a_newer_
 
     let old_addr = free_addr();
     let old = worker_of_format(&f.settings, 1, "old-1", &old_addr);
-    wait_ready(&f, &old_addr, 200, "the format-1 worker ready").await;
+    wait_ready(&f, &old_addr, 200, "ready", "the format-1 worker ready").await;
     f.kill(&dead).await;
     wait_until(
         &f.redis,
@@ -862,11 +885,14 @@ async fn after_a_rollback_a_cleanup_written_in_the_newer_format_goes_to_a_newer_
     let letter = &f.dead_letters().await[0];
     let error = String::from_utf8_lossy(letter.field("error").unwrap()).into_owned();
     assert!(error.contains("written under format 2"), "{error}");
-    assert_eq!(
-        http_get(&old_addr, "/readyz").0,
+    wait_ready(
+        &f,
+        &old_addr,
         200,
-        "the older worker is not behind"
-    );
+        "ready",
+        "the older worker ready: not behind",
+    )
+    .await;
     assert_eq!(
         metric(&old_addr, "registry_janitor_format_behind"),
         Some(0.0)
@@ -874,7 +900,7 @@ async fn after_a_rollback_a_cleanup_written_in_the_newer_format_goes_to_a_newer_
 
     let new_addr = free_addr();
     let new = worker_of_format(&f.settings, 2, "new-2", &new_addr);
-    wait_ready(&f, &new_addr, 200, "the format-2 worker ready").await;
+    wait_ready(&f, &new_addr, 200, "ready", "the format-2 worker ready").await;
     old.signal("TERM");
     let (code, log) = old.wait(Duration::from_secs(20));
     assert_eq!(code.and_then(|c| c.code()), Some(0), "{log}");

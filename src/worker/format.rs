@@ -95,13 +95,14 @@ impl Worker {
     fn observe_format(&self, announced: &Announced) {
         let build = self.format.build();
         let before = self.format.stance();
-        self.format.set_in_use(announced.in_use);
-        let after = self.format.stance();
         let in_use = announced.in_use;
+        let after = build.stance(in_use);
+        // The gauges first: once `/readyz` tells the new stance, they tell it too.
         self.metrics.format_in_use.set(i64::from(in_use));
         self.metrics
             .format_behind
             .set(i64::from(matches!(after, Stance::Behind { .. })));
+        self.format.set_in_use(in_use);
         if announced.moved {
             info!(
                 format = in_use,
