@@ -228,6 +228,7 @@ impl Reconciler {
             keys: self.keys.clone(),
             consumer: None,
             failing: self.failing.clone(),
+            format: None,
         }
     }
 
