@@ -238,6 +238,17 @@ pub async fn run(base: &Settings, options: &Options) -> anyhow::Result<Outcome> 
     })
     .await
     .unwrap_or_default();
+    let logs = lock(&janitors).logs.clone();
+    for (name, log) in &logs {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if let Some(line) = text.lines().find(|l| l.contains("panicked at")) {
+            verdicts.violation(
+                invariant::PROCESSES_UP,
+                format!("{name} panicked: {line}"),
+                vec![format!("its log: {}", log.display())],
+            );
+        }
+    }
     if settled_in.is_some() {
         for (name, code, log) in &exits {
             if *code != Some(0) {

@@ -112,6 +112,8 @@ pub struct Janitors {
     env: Vec<(String, String)>,
     dir: PathBuf,
     pub procs: Vec<Proc>,
+    /// The log of every process started: (name, file).
+    pub logs: Vec<(String, PathBuf)>,
 }
 
 impl Janitors {
@@ -127,6 +129,7 @@ impl Janitors {
             env,
             dir: dir.to_owned(),
             procs: Vec::new(),
+            logs: Vec::new(),
         };
         let roles = (0..workers).map(Role::Worker).chain([Role::Reconciler]);
         for role in roles {
@@ -161,6 +164,10 @@ impl Janitors {
             .dir
             .join(format!("{}.{}.log", p.role.name(), p.generation));
         let log = File::create(&p.log).map_err(|e| Error::io("creating a process log", e))?;
+        self.logs.push((
+            format!("{} (process {})", p.role.name(), p.generation),
+            p.log.clone(),
+        ));
         let command = match p.role {
             Role::Worker(_) => "worker",
             Role::Reconciler => "reconcile",

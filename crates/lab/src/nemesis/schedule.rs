@@ -423,6 +423,24 @@ mod tests {
         assert_ne!(Schedule::draw(7, &shape()), Schedule::draw(8, &shape()));
     }
 
+    /// The suite's two-minute run (`crates/lab/tests/nemesis.rs`) uses seed 20: every
+    /// kind of fault in two minutes, Redis faults of each kind, two zone outages.
+    #[test]
+    fn the_suites_seed_draws_every_kind_in_two_minutes() {
+        let s = Schedule::draw(
+            20,
+            &RunShape {
+                duration: Duration::from_secs(120),
+                ..shape()
+            },
+        );
+        let counts = s.counts();
+        for kind in Kind::NODE {
+            assert!(counts.get(&kind).copied().unwrap_or(0) > 0, "no {kind:?}");
+        }
+        assert!(counts[&Kind::ZoneOutage] >= 2, "{counts:?}");
+    }
+
     #[test]
     fn the_draw_keeps_the_schedule_coherent() {
         for seed in 0..50 {

@@ -34,6 +34,9 @@ pub mod invariant {
     pub const OWNERS_WRITTEN: &str = "owners are what was written";
 }
 
+/// Violations kept (and printed) at most.
+const MAX_KEPT: usize = 10;
+
 #[derive(Debug, Clone)]
 pub struct Violation {
     pub at: Duration,
@@ -90,13 +93,17 @@ impl Verdicts {
             what: what.into(),
             keys,
         };
-        eprintln!(
-            "nemesis: VIOLATION at +{:.1}s: {}: {}",
-            v.at.as_secs_f64(),
-            v.invariant,
-            v.what
-        );
-        self.lock().violations.push(v);
+        let mut inner = self.lock();
+        // The first ones say it all: one round can find the same fault many times.
+        if inner.violations.len() < MAX_KEPT {
+            eprintln!(
+                "nemesis: VIOLATION at +{:.1}s: {}: {}",
+                v.at.as_secs_f64(),
+                v.invariant,
+                v.what
+            );
+            inner.violations.push(v);
+        }
         self.stop.cancel();
     }
 
