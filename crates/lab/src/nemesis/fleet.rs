@@ -69,6 +69,25 @@ pub enum Owner {
     Uncertain(Vec<Option<ServerId>>),
 }
 
+/// A server, or `none`.
+pub fn named(owner: &Option<ServerId>) -> String {
+    owner
+        .as_ref()
+        .map_or_else(|| "none".into(), |s| s.to_string())
+}
+
+impl std::fmt::Display for Owner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Owner::Known(o) => f.write_str(&named(o)),
+            Owner::Uncertain(all) => {
+                let all: Vec<String> = all.iter().map(named).collect();
+                write!(f, "uncertain: one of {}", all.join(", "))
+            }
+        }
+    }
+}
+
 pub struct Member {
     pub bytes: Vec<u8>,
     pub owner: Owner,
@@ -185,12 +204,15 @@ impl Truth {
     pub fn describe_server(&self, s: &ServerId) -> String {
         match self.servers.get(s) {
             Some(server) => format!(
-                "server {} (slot {}, {:?}, died {}, {} entries ever; heartbeats {} ok, {} refused, \
+                "server {} (slot {}, {}; {} entries ever; heartbeats {} ok, {} refused, \
                  longest gap between attempts {} ms, between answered ones {} ms)",
                 s,
                 server.slot,
-                server.state,
-                server.how,
+                match server.state {
+                    State::Dead | State::Zombie => format!("dead: {}", server.how),
+                    State::Live => "live".into(),
+                    State::Starting => "starting".into(),
+                },
                 server.members_ever.len(),
                 server.heartbeats.ok,
                 server.heartbeats.refused,
@@ -238,6 +260,13 @@ pub struct Stats {
     pub servers_died: AtomicU64,
     pub zombies_told: AtomicU64,
     pub monitoring_events: AtomicU64,
+}
+
+/// An entry of a live server found deleted.
+struct Lost {
+    server: ServerId,
+    what: String,
+    keys: Vec<String>,
 }
 
 /// What a registration found and did.
@@ -461,12 +490,19 @@ impl Fleet {
         }
     }
 
-    /// A server this process kept alive was fenced. Either this process starved (its
-    /// heartbeats were not even sent for a liveness TTL: the janitor was right), or the
-    /// janitor fenced a live server: while its liveness key stood, or after heartbeats
-    /// that Redis refused (an outage). The server then starts again under a new id, as
-    /// the protocol says.
-    pub fn fenced_while_live(self: &Arc<Self>, server: &ServerId, how: &str) {
+    /// A server this process kept alive was fenced (`invariant` = fencing), or lost an
+    /// entry (live entries kept). Either this process starved (its heartbeats were not
+    /// even sent for a liveness TTL: the janitor was right to find it silent), or the
+    /// janitor took a live server for dead: while its liveness key stood, or after
+    /// heartbeats that Redis refused (an outage, which the guard must ride out). The
+    /// server then starts again under a new id, as the protocol says.
+    pub fn lost_live(
+        self: &Arc<Self>,
+        server: &ServerId,
+        invariant: &'static str,
+        what: String,
+        mut keys: Vec<String>,
+    ) {
         let ttl = self.params.ttl;
         let verdict = {
             let mut t = self.truth();
@@ -486,8 +522,8 @@ impl Fleet {
                 .max(hb.last_ok_start.map_or(Duration::ZERO, |l| now - l));
             let verdict = if ok_gap < ttl {
                 Some(format!(
-                    "live server {server} fenced ({how}) although its liveness key never \
-                     went a TTL ({} ms) without a refresh (longest {} ms)",
+                    "{what}, although its liveness key never went a TTL ({} ms) without a \
+                     refresh (longest {} ms)",
                     ttl.as_millis(),
                     ok_gap.as_millis()
                 ))
@@ -495,34 +531,39 @@ impl Fleet {
                 None
             } else {
                 Some(format!(
-                    "live server {server} fenced ({how}) after a Redis outage: it sent a \
-                     heartbeat at least every {} ms, Redis refused {} of them, and the \
-                     liveness key went {} ms without a refresh",
+                    "{what}, after a Redis outage: it sent a heartbeat at least every {} ms, \
+                     Redis refused {} of them, and the liveness key went {} ms without a refresh",
                     attempt_gap.as_millis(),
                     hb.refused,
                     ok_gap.as_millis()
                 ))
             };
-            let described = t.describe_server(server);
+            keys.push(t.describe_server(server));
             let s = t.servers.get_mut(server).expect("known");
             s.state = State::Dead;
             s.died = Some(now);
-            s.how = "fenced while live";
-            verdict.map(|v| (v, described)).ok_or(attempt_gap)
+            s.how = "taken for dead while live";
+            verdict.ok_or(attempt_gap)
         };
         match verdict {
-            Ok((what, described)) => {
-                self.verdicts
-                    .violation(invariant::FENCING, what, vec![described]);
-            }
+            Ok(what) => self.verdicts.violation(invariant, what, keys),
             Err(gap) => self.verdicts.note(format!(
-                "{server} was fenced after this process sent it no heartbeat for {} ms \
-                 (the harness starved: the janitor was right); it starts again under a new id",
+                "{what}; this process had sent it no heartbeat for {} ms (the harness \
+                 starved: the janitor was right); it starts again under a new id",
                 gap.as_millis()
             )),
         }
         self.stats.servers_died.fetch_add(1, Ordering::Relaxed);
         self.after_death(server, Duration::ZERO);
+    }
+
+    fn fenced_while_live(self: &Arc<Self>, server: &ServerId, how: &str) {
+        self.lost_live(
+            server,
+            invariant::FENCING,
+            format!("live server {server} was fenced ({how})"),
+            Vec::new(),
+        );
     }
 
     /// After `server` died: most of its users reconnect elsewhere over the next seconds
@@ -881,14 +922,15 @@ impl Fleet {
             _ => self.stats.registers.fetch_add(1, Ordering::Relaxed),
         };
         let mut fenced_live = false;
+        let mut lost = None;
         {
             let mut t = self.truth();
             let before = t.members[m].owner.clone();
             let line = match &told {
                 Ok(told) => format!(
-                    "+{:.2}s {kind} to {to}: previous owner {:?}, {}",
+                    "+{:.2}s {kind} to {to}: previous owner {}, {}",
                     self.t(),
-                    told.prev,
+                    told.prev.as_deref().unwrap_or("none"),
                     match &told.outcome {
                         Ok(()) => "registered".to_owned(),
                         Err(e) => format!("refused: {e}"),
@@ -904,7 +946,7 @@ impl Fleet {
                 }
                 Ok(Told { prev, outcome }) => {
                     let prev = prev.and_then(|p| ServerId::parse(&p).ok());
-                    self.judge_previous(&mut t, m, &before, &prev, outcome.is_ok());
+                    lost = self.judge_previous(&mut t, m, &before, &prev, outcome.is_ok());
                     match outcome {
                         Ok(()) => Owner::Known(Some(to.clone())),
                         Err(e) if e.starts_with("FENCED") => {
@@ -936,6 +978,9 @@ impl Fleet {
                 );
             }
         }
+        if let Some(Lost { server, what, keys }) = lost {
+            self.lost_live(&server, invariant::LIVE_KEPT, what, keys);
+        }
         if fenced_live {
             self.fenced_while_live(&to, "a registration on it was refused as FENCED");
         }
@@ -951,7 +996,7 @@ impl Fleet {
         before: &Owner,
         prev: &Option<ServerId>,
         replaced: bool,
-    ) {
+    ) -> Option<Lost> {
         match before {
             Owner::Known(expected) if expected == prev => {
                 if let (Some(d), true) = (prev, replaced) {
@@ -964,19 +1009,16 @@ impl Fleet {
             Owner::Known(Some(d)) if prev.is_none() => {
                 self.stats.found_deleted.fetch_add(1, Ordering::Relaxed);
                 if t.is_live(d) {
-                    let described = t.describe(m);
-                    let server = t.describe_server(d);
-                    self.verdicts.violation(
-                        invariant::LIVE_KEPT,
-                        format!(
+                    return Some(Lost {
+                        server: d.clone(),
+                        what: format!(
                             "the entry of {} on live server {d} was deleted (a registration found none)",
                             show(&t.members[m].bytes)
                         ),
-                        vec![described, server],
-                    );
-                } else {
-                    t.expect_deleted(d, m);
+                        keys: vec![t.describe(m)],
+                    });
                 }
+                t.expect_deleted(d, m);
             }
             // One of the owners it may have had is dead: the janitor may have deleted it
             // (and announced it, which the evictions check allows: it was registered
@@ -995,14 +1037,15 @@ impl Fleet {
                 self.verdicts.violation(
                     invariant::OWNERS_WRITTEN,
                     format!(
-                        "the entry of {} named {:?}, which the load never left there (it expected {before:?})",
+                        "the entry of {} named {}, which the load never left there (it expected {before})",
                         show(&t.members[m].bytes),
-                        prev
+                        named(prev)
                     ),
                     vec![described],
                 );
             }
         }
+        None
     }
 
     /// register.lua (register_conn.lua) in a MULTI after a read of the entry.
@@ -1074,9 +1117,13 @@ impl Fleet {
         {
             let mut t = self.truth();
             let line = format!(
-                "+{:.2}s unregister from {from}: {:?}",
+                "+{:.2}s unregister from {from}: {}",
                 self.t(),
-                reply.as_ref().err().map(|e| e.to_string())
+                match &reply {
+                    Ok(()) => "done".to_owned(),
+                    Err(Error::Fenced { .. }) => "refused: FENCED".to_owned(),
+                    Err(e) => format!("no answer ({e})"),
+                }
             );
             let owner = match reply {
                 Ok(()) => Owner::Known(None),

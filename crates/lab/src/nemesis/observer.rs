@@ -562,38 +562,27 @@ impl Observer {
         }
         self.verdicts.checked(invariant::LIVE_KEPT, checked);
         if let Some((m, server, owner)) = lost.first().cloned() {
-            // A fenced live server: the fleet judges whether this process starved it.
             let fenced: bool = redis::cmd("EXISTS")
                 .arg(self.keys.server_fence(&server))
                 .query_async(&mut self.conn.clone())
                 .await
                 .unwrap_or(false);
-            if fenced {
-                self.fleet
-                    .fenced_while_live(&server, "the observer found its entries deleted");
-                if !self.verdicts.failed() {
-                    return Ok(());
-                }
-            }
-            let (described, about) = {
+            let (described, member) = {
                 let t = self.fleet.truth();
-                (t.describe(m), t.describe_server(&server))
+                (t.describe(m), t.members[m].bytes.clone())
             };
-            let member = self.fleet.truth().members[m].bytes.clone();
-            self.verdicts.violation(
+            // The fleet judges whether this process starved the server.
+            self.fleet.lost_live(
+                &server,
                 invariant::LIVE_KEPT,
                 format!(
-                    "{} live entries lost; the entry of {} names {:?}, not live server {server} \
+                    "{} live entries lost; the entry of {} names {}, not live server {server} \
                      (fenced: {fenced})",
                     lost.len(),
                     show(&member),
-                    owner
+                    owner.as_deref().unwrap_or("none")
                 ),
-                vec![
-                    described,
-                    about,
-                    forward_key(&self.keys, &self.fleet, &member),
-                ],
+                vec![described, forward_key(&self.keys, &self.fleet, &member)],
             );
         }
         Ok(())
