@@ -184,14 +184,15 @@ impl Truth {
     pub fn describe(&self, m: usize) -> String {
         let member = &self.members[m];
         format!(
-            "entry {} (owner {:?}; attempted on {:?}); last operations:\n      {}",
+            "entry {} (owner {}; registered on {}); last operations:\n      {}",
             show(&member.bytes),
             member.owner,
             member
                 .attempted
                 .iter()
                 .map(|s| s.as_str())
-                .collect::<Vec<_>>(),
+                .collect::<Vec<_>>()
+                .join(", "),
             member
                 .history
                 .iter()

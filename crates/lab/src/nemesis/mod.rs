@@ -631,79 +631,80 @@ async fn final_checks(ctx: &Ctx, verdicts: &Verdicts) {
             return;
         }
     };
-    let t = ctx.fleet.truth();
-    let acked_set: std::collections::HashSet<&ServerId> = observer.acked.iter().collect();
-    let mut seen = std::collections::HashSet::new();
-    let (mut bad, mut stale) = (Vec::new(), Vec::new());
-    for (member, owner) in &entries {
-        let Some(&m) = t.by_bytes.get(member) else {
-            bad.push(format!(
-                "an entry the load never wrote: {} -> {owner}",
-                fleet::show(member)
-            ));
-            continue;
-        };
-        seen.insert(m);
-        let owner_id = ServerId::parse(owner).ok();
-        if owner_id.as_ref().is_some_and(|o| acked_set.contains(o)) {
-            stale.push(format!(
-                "{} names cleaned server {owner}; {}",
-                fleet::show(member),
-                t.describe(m)
-            ));
-            continue;
-        }
-        let fine = match &t.members[m].owner {
-            fleet::Owner::Known(Some(s)) => t.is_live(s) && s.as_str() == owner,
-            fleet::Owner::Known(None) => false,
-            fleet::Owner::Uncertain(possible) => possible.contains(&owner_id),
-        };
-        if !fine {
-            bad.push(format!(
-                "{} names {owner}; {}",
-                fleet::show(member),
-                t.describe(m)
-            ));
-        }
-    }
-    verdicts.checked(invariant::ACKED_CLEAN, entries.len() as u64);
-    // Live entries that are gone, and deletions not announced exactly once.
-    let mut announced_wrong = Vec::new();
-    for (m, member) in t.members.iter().enumerate() {
-        match &member.owner {
-            fleet::Owner::Known(Some(s)) if t.is_live(s) && !seen.contains(&m) => {
+    let (stale, bad, announced_wrong) = {
+        let t = ctx.fleet.truth();
+        let acked_set: std::collections::HashSet<&ServerId> = observer.acked.iter().collect();
+        let mut seen = std::collections::HashSet::new();
+        let (mut bad, mut stale) = (Vec::new(), Vec::new());
+        for (member, owner) in &entries {
+            let Some(&m) = t.by_bytes.get(member) else {
                 bad.push(format!(
-                    "{} of live {s} is gone; {}",
-                    fleet::show(&member.bytes),
+                    "an entry the load never wrote: {} -> {owner}",
+                    fleet::show(member)
+                ));
+                continue;
+            };
+            seen.insert(m);
+            let owner_id = ServerId::parse(owner).ok();
+            if owner_id.as_ref().is_some_and(|o| acked_set.contains(o)) {
+                stale.push(format!(
+                    "{} names cleaned server {owner}; {}",
+                    fleet::show(member),
+                    t.describe(m)
+                ));
+                continue;
+            }
+            let fine = match &t.members[m].owner {
+                fleet::Owner::Known(Some(s)) => t.is_live(s) && s.as_str() == owner,
+                fleet::Owner::Known(None) => false,
+                fleet::Owner::Uncertain(possible) => possible.contains(&owner_id),
+            };
+            if !fine {
+                bad.push(format!(
+                    "{} names {owner}; {}",
+                    fleet::show(member),
                     t.describe(m)
                 ));
             }
-            fleet::Owner::Known(Some(s)) if !t.is_live(s) => {
-                let n = observer.announced_count(s, &member.bytes);
-                if n != 1 {
-                    announced_wrong.push(format!(
-                        "{} of dead {s} deleted and announced {n} times; {}",
+        }
+        verdicts.checked(invariant::ACKED_CLEAN, entries.len() as u64);
+        // Live entries that are gone, and deletions not announced exactly once.
+        let mut announced_wrong = Vec::new();
+        for (m, member) in t.members.iter().enumerate() {
+            match &member.owner {
+                fleet::Owner::Known(Some(s)) if t.is_live(s) && !seen.contains(&m) => {
+                    bad.push(format!(
+                        "{} of live {s} is gone; {}",
                         fleet::show(&member.bytes),
                         t.describe(m)
                     ));
                 }
+                fleet::Owner::Known(Some(s)) if !t.is_live(s) => {
+                    let n = observer.announced_count(s, &member.bytes);
+                    if n != 1 {
+                        announced_wrong.push(format!(
+                            "{} of dead {s} deleted and announced {n} times; {}",
+                            fleet::show(&member.bytes),
+                            t.describe(m)
+                        ));
+                    }
+                }
+                _ => {}
             }
-            _ => {}
         }
-    }
-    for e in &t.expected {
-        let n = observer.announced_count(&e.server, &t.members[e.member].bytes);
-        if n != 1 {
-            announced_wrong.push(format!(
-                "{} of dead {} deleted and announced {n} times",
-                fleet::show(&t.members[e.member].bytes),
-                e.server
-            ));
+        for e in &t.expected {
+            let n = observer.announced_count(&e.server, &t.members[e.member].bytes);
+            if n != 1 {
+                announced_wrong.push(format!(
+                    "{} of dead {} deleted and announced {n} times",
+                    fleet::show(&t.members[e.member].bytes),
+                    e.server
+                ));
+            }
         }
-    }
-    verdicts.checked(invariant::ANNOUNCED_ONCE, t.expected.len() as u64);
-    drop(acked_set);
-    drop(t);
+        verdicts.checked(invariant::ANNOUNCED_ONCE, t.expected.len() as u64);
+        (stale, bad, announced_wrong)
+    };
     if let Some(first) = stale.first() {
         verdicts.violation(
             invariant::ACKED_CLEAN,

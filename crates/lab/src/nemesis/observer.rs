@@ -64,6 +64,16 @@ pub enum Class {
     Malformed(String),
 }
 
+impl std::fmt::Display for Class {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Class::Dead(server) => write!(f, "server.dead for {server}"),
+            Class::Foreign => f.write_str("another type"),
+            Class::Malformed(why) => write!(f, "malformed: {why}"),
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Event {
     pub id: StreamId,
@@ -689,7 +699,7 @@ impl Observer {
             self.verdicts.violation(
                 invariant::EVENTS_SETTLED,
                 format!(
-                    "event {} ({:?}) is not acknowledged {} s after it was published",
+                    "event {} ({}) is not acknowledged {} s after it was published",
                     e.text,
                     e.class,
                     deadline.as_secs()
