@@ -50,7 +50,10 @@ pub enum TopologyName {
     Node,
 }
 
-/// A nemesis run.
+/// A nemesis run. It always starts its own Redis; the janitor's processes run with the
+/// nemesis's own timings (docs/nemesis.md), and take only `layout`, `key_prefix`,
+/// `latency_target_ms`, `step_order`, `evictions_stream` and `max_payload_bytes` from
+/// the lab's settings.
 #[derive(Debug, Clone, clap::Args)]
 pub struct NemesisOptions {
     /// The seed of the fault schedule (and of the load's choices); default: one from the
@@ -71,6 +74,8 @@ pub struct NemesisOptions {
     /// Connection-server slots (each runs one incarnation at a time), in `--zones` zones.
     #[arg(long, default_value_t = 12)]
     pub servers: usize,
+    /// Zones the slots are spread over (slot s is in zone s % zones): a zone outage takes
+    /// one down.
     #[arg(long, default_value_t = 3)]
     pub zones: usize,
     /// Registry entries the load plays with (users; in layout conns, connections, two

@@ -47,6 +47,8 @@ pub fn janitor_env(s: &Settings) -> Vec<(String, String)> {
         ),
         ("JANITOR_DRAIN_TIMEOUT_MS", s.drain_timeout_ms.to_string()),
         ("JANITOR_LATENCY_TARGET_MS", s.latency_target_ms.to_string()),
+        ("JANITOR_STEP_ORDER", s.step_order.as_str().to_owned()),
+        ("JANITOR_MAX_PAYLOAD_BYTES", s.max_payload_bytes.to_string()),
         (
             "JANITOR_MAINTENANCE_INTERVAL_MS",
             s.maintenance_interval_ms.to_string(),
