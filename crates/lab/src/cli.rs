@@ -1,6 +1,7 @@
-//! The command line of `registry-janitor-lab`: `demo`, `bench`, and the hidden `worker`
-//! and `bench-probe` that the benchmark starts as processes of their own. The settings
-//! flags are the service's ([`registry_janitor::service::SettingsFlags`]).
+//! The command line of `registry-janitor-lab`: `demo`, `bench`, `nemesis`, and the hidden
+//! `worker`, `reconcile` and `bench-probe` that the benchmark and the nemesis start as
+//! processes of their own. The settings flags are the service's
+//! ([`registry_janitor::service::SettingsFlags`]).
 
 use std::path::PathBuf;
 
@@ -11,7 +12,7 @@ use registry_janitor::service::SettingsFlags;
 #[command(
     name = "registry-janitor-lab",
     version,
-    about = "The demo and the benchmark of registry-janitor, each on a private redis-server when no Redis answers"
+    about = "The demo, the benchmark and the nemesis of registry-janitor, each on a private redis-server when no Redis answers"
 )]
 pub struct Cli {
     #[command(flatten)]
@@ -26,6 +27,9 @@ pub enum Command {
     Demo(DemoOptions),
     /// The throughput and latency benchmark, with references measured in the same run.
     Bench(BenchOptions),
+    /// A randomized fault schedule drawn from a seed, with the janitor's invariants checked
+    /// while it runs, on a private redis-server.
+    Nemesis(NemesisOptions),
     /// The lookup probe of `bench --zone`, in a process of its own (internal).
     #[command(hide = true)]
     BenchProbe(ProbeOptions),
@@ -33,6 +37,89 @@ pub enum Command {
     /// worker processes (internal).
     #[command(hide = true)]
     Worker,
+    /// The service's reconciler, the same code as `registry-janitor reconcile`: the
+    /// nemesis's reconciler process (internal).
+    #[command(hide = true)]
+    Reconcile,
+}
+
+/// Where the nemesis runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum TopologyName {
+    /// One private redis-server.
+    Node,
+}
+
+/// A nemesis run. It always starts its own Redis; the janitor's processes run with the
+/// nemesis's own timings (docs/nemesis.md), and take only `layout`, `key_prefix`,
+/// `latency_target_ms`, `step_order`, `evictions_stream` and `max_payload_bytes` from
+/// the lab's settings.
+#[derive(Debug, Clone, clap::Args)]
+pub struct NemesisOptions {
+    /// The seed of the fault schedule (and of the load's choices); default: one from the
+    /// clock, printed. The same seed draws the same schedule.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// How long faults are injected (e.g. 120s, 10m); a quiet end follows, until every
+    /// event is settled.
+    #[arg(long, default_value = "120s", value_parser = parse_duration)]
+    pub duration: std::time::Duration,
+    /// Where Redis runs.
+    #[arg(long, value_enum, default_value = "node")]
+    pub topology: TopologyName,
+    /// Worker processes (worker-0 is paused but never killed: one process lives the
+    /// whole run).
+    #[arg(long, default_value_t = 3)]
+    pub workers: usize,
+    /// Connection-server slots (each runs one incarnation at a time), in `--zones` zones.
+    #[arg(long, default_value_t = 12)]
+    pub servers: usize,
+    /// Zones the slots are spread over (slot s is in zone s % zones): a zone outage takes
+    /// one down.
+    #[arg(long, default_value_t = 3)]
+    pub zones: usize,
+    /// Registry entries the load plays with (users; in layout conns, connections, two
+    /// per user).
+    #[arg(long, default_value_t = 2000)]
+    pub entries: usize,
+    /// Load operations per second: registrations, moves, unregisters, lookups.
+    #[arg(long, default_value_t = 150)]
+    pub rate: u32,
+    /// How long a dead server may take to be cleaned, and the quiet end to settle,
+    /// before that counts as a violation.
+    #[arg(long, default_value = "120s", value_parser = parse_duration)]
+    pub deadline: std::time::Duration,
+    /// Start the workers and the reconciler from this `registry-janitor` binary (its
+    /// `worker` and `reconcile` commands); default: this binary's own, the same code.
+    #[arg(long, value_name = "FILE")]
+    pub janitor_exe: Option<PathBuf>,
+    /// Keep the processes' logs in this directory (default: a temporary one, kept when
+    /// a violation is found).
+    #[arg(long, value_name = "DIR")]
+    pub log_dir: Option<PathBuf>,
+}
+
+/// A duration such as `120s`, `10m`, `500ms` or `90` (seconds).
+pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
+    let text = text.trim();
+    let (number, unit) = match text.find(|c: char| !c.is_ascii_digit() && c != '.') {
+        Some(at) => text.split_at(at),
+        None => (text, "s"),
+    };
+    let n: f64 = number
+        .parse()
+        .map_err(|_| format!("{text:?}: expected a number and a unit (ms, s, m, h)"))?;
+    let seconds = match unit {
+        "ms" => n / 1000.0,
+        "s" => n,
+        "m" | "min" => n * 60.0,
+        "h" => n * 3600.0,
+        _ => return Err(format!("{text:?}: the unit must be ms, s, m or h")),
+    };
+    if !(seconds.is_finite() && seconds > 0.0) {
+        return Err(format!("{text:?}: must be more than zero"));
+    }
+    Ok(std::time::Duration::from_secs_f64(seconds))
 }
 
 /// What the lookup probe of `bench --zone` looks up.

@@ -1,24 +1,30 @@
-//! `registry-janitor-lab`: the demo and the benchmark of registry-janitor, each on a
-//! private redis-server (or local cluster) when no Redis answers at `redis_url`.
+//! `registry-janitor-lab`: the demo, the benchmark and the nemesis of registry-janitor,
+//! each on a private redis-server (or local cluster) when no Redis answers at
+//! `redis_url`.
 //!
 //! - [`cli`]: the flags and subcommands.
 //! - [`demo`](mod@demo): the whole story on one machine, verified.
 //! - [`bench`](mod@bench): the benchmark (one dead server, or a zone outage with `--zone`).
+//! - [`nemesis`](mod@nemesis): a randomized fault schedule with the invariants checked
+//!   while it runs.
 //! - [`private`]: the Redis they run on, private when none answers.
 //!
-//! The benchmark's worker processes are this binary's hidden `worker` command, which runs
-//! [`registry_janitor::service::worker`], the code of `registry-janitor worker`; with
-//! `--worker-exe` they are a given `registry-janitor` binary instead.
+//! The benchmark's and the nemesis's worker processes are this binary's hidden `worker`
+//! command, which runs [`registry_janitor::service::worker`], the code of
+//! `registry-janitor worker` (the nemesis's reconciler: the hidden `reconcile`, the code
+//! of `registry-janitor reconcile`); with `--worker-exe` (`--janitor-exe`) they are a
+//! given `registry-janitor` binary instead.
 
 mod bench;
 mod cli;
 mod demo;
+mod nemesis;
 mod private;
 
 use std::process::ExitCode;
 
 use clap::Parser;
-use cli::{BenchOptions, Cli, Command, DemoOptions};
+use cli::{BenchOptions, Cli, Command, DemoOptions, NemesisOptions};
 use registry_janitor::{config::Settings, service};
 
 fn main() -> ExitCode {
@@ -31,7 +37,8 @@ fn main() -> ExitCode {
         }
     };
     // The demo draws progress bars: its workers log warnings only, unless RUST_LOG says.
-    let default_level = if matches!(cli.command, Command::Demo(_)) {
+    // The nemesis prints its own report: its processes' logs go to files.
+    let default_level = if matches!(cli.command, Command::Demo(_) | Command::Nemesis(_)) {
         "warn"
     } else {
         "info"
@@ -52,7 +59,11 @@ async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
         Command::Demo(options) => demo(&settings, &options).await,
         Command::Bench(options) => bench(&settings, &options).await,
         Command::BenchProbe(options) => Ok(bench::zone::probe(&settings, &options).await?),
+        Command::Nemesis(options) => nemesis(&settings, &options).await,
         Command::Worker => service::worker(&settings, service::shutdown_on_signals()).await,
+        Command::Reconcile => {
+            service::reconcile(&settings, false, service::shutdown_on_signals()).await
+        }
     }
 }
 
@@ -64,6 +75,19 @@ async fn demo(settings: &Settings, options: &DemoOptions) -> anyhow::Result<()> 
             "verification failed: {} stale entries left, {} live entries lost",
             summary.stale,
             summary.lost
+        );
+    }
+    Ok(())
+}
+
+/// `nemesis`: prints the report; fails on any violation.
+async fn nemesis(settings: &Settings, options: &NemesisOptions) -> anyhow::Result<()> {
+    let outcome = nemesis::run(settings, options).await?;
+    if outcome.violations > 0 {
+        anyhow::bail!(
+            "the nemesis found {} violation(s) with seed {}",
+            outcome.violations,
+            outcome.seed
         );
     }
     Ok(())

@@ -78,10 +78,11 @@ fn the_demo_verifies_its_run_on_a_node_and_on_a_local_cluster() {
     }
 }
 
-/// `registry-janitor-lab --help` lists `demo` and `bench`; the processes the benchmark
-/// starts (`worker`, `bench-probe`) are hidden but run.
+/// `registry-janitor-lab --help` lists `demo`, `bench` and `nemesis`; the processes the
+/// benchmark and the nemesis start (`worker`, `reconcile`, `bench-probe`) are hidden but
+/// run.
 #[test]
-fn the_lab_lists_the_demo_and_the_bench() {
+fn the_lab_lists_the_demo_the_bench_and_the_nemesis() {
     let out = Command::new(env!("CARGO_BIN_EXE_registry-janitor-lab"))
         .arg("--help")
         .output()
@@ -95,8 +96,8 @@ fn the_lab_lists_the_demo_and_the_bench() {
         .take_while(|l| l.starts_with("  "))
         .filter_map(|l| l.split_whitespace().next())
         .collect();
-    assert_eq!(commands, ["demo", "bench", "help"], "{help}");
-    for hidden in ["worker", "bench-probe"] {
+    assert_eq!(commands, ["demo", "bench", "nemesis", "help"], "{help}");
+    for hidden in ["worker", "reconcile", "bench-probe"] {
         let out = Command::new(env!("CARGO_BIN_EXE_registry-janitor-lab"))
             .args([hidden, "--help"])
             .output()

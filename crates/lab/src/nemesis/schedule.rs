@@ -1,0 +1,475 @@
+//! The fault schedule: every fault of a run and when it starts, drawn from the seed before
+//! the run begins, so that `--seed` replays the same schedule.
+//!
+//! The draw keeps the schedule coherent, not the run: faults on Redis itself (restart,
+//! BUSY, out of memory) never overlap one another, a worker takes one fault at a time,
+//! and a connection server slot takes one fault at a time with at least four slots live
+//! (somewhere for users to reconnect to). Whether a fault still applies when its time
+//! comes (the slot's server may not be back yet) is decided by the run, and said.
+
+use std::{fmt, time::Duration};
+
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+/// The kinds of faults, each with its weight in the draw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Kind {
+    WorkerKill,
+    WorkerPause,
+    RedisRestart,
+    Busy,
+    OomSqueeze,
+    Zombie,
+    ServerCrash,
+    ZoneOutage,
+    DeadUnknown,
+    DeadAgain,
+    Malformed,
+}
+
+impl Kind {
+    /// Every kind a single node takes (Sentinel and cluster failovers and network
+    /// partitions need topologies of their own).
+    pub const NODE: [Kind; 11] = [
+        Kind::WorkerKill,
+        Kind::WorkerPause,
+        Kind::RedisRestart,
+        Kind::Busy,
+        Kind::OomSqueeze,
+        Kind::Zombie,
+        Kind::ServerCrash,
+        Kind::ZoneOutage,
+        Kind::DeadUnknown,
+        Kind::DeadAgain,
+        Kind::Malformed,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::WorkerKill => "worker-kill",
+            Kind::WorkerPause => "worker-pause",
+            Kind::RedisRestart => "redis-restart",
+            Kind::Busy => "busy-script",
+            Kind::OomSqueeze => "oom-squeeze",
+            Kind::Zombie => "zombie-server",
+            Kind::ServerCrash => "server-crash",
+            Kind::ZoneOutage => "zone-outage",
+            Kind::DeadUnknown => "dead-unknown",
+            Kind::DeadAgain => "dead-again",
+            Kind::Malformed => "malformed-entries",
+        }
+    }
+
+    fn weight(self) -> u32 {
+        match self {
+            Kind::WorkerKill | Kind::ServerCrash => 3,
+            Kind::WorkerPause => 2,
+            _ => 1,
+        }
+    }
+
+    /// A fault on Redis itself: such faults never overlap.
+    fn on_redis(self) -> bool {
+        matches!(self, Kind::RedisRestart | Kind::Busy | Kind::OomSqueeze)
+    }
+}
+
+/// The shapes of malformed stream entries; `Foreign` is a well-formed entry of another
+/// type (acknowledged and ignored, never dead-lettered).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shape {
+    JunkPayload,
+    NoPayload,
+    NoType,
+    BadServerId,
+    Truncated,
+    FutureVersion,
+    Foreign,
+}
+
+impl Shape {
+    const ALL: [Shape; 7] = [
+        Shape::JunkPayload,
+        Shape::NoPayload,
+        Shape::NoType,
+        Shape::BadServerId,
+        Shape::Truncated,
+        Shape::FutureVersion,
+        Shape::Foreign,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Shape::JunkPayload => "junk-payload",
+            Shape::NoPayload => "no-payload",
+            Shape::NoType => "no-type",
+            Shape::BadServerId => "bad-server-id",
+            Shape::Truncated => "truncated-payload",
+            Shape::FutureVersion => "future-version",
+            Shape::Foreign => "foreign-type",
+        }
+    }
+}
+
+/// One fault and its parameters.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Fault {
+    /// SIGKILL a worker process; a new one starts after `back_after` (as Kubernetes
+    /// restarts a pod). Worker 0 is never killed, so that one process lives the whole run
+    /// (its memory is the flat-memory check's best witness).
+    WorkerKill { worker: usize, back_after: Duration },
+    /// SIGSTOP a worker process, SIGCONT after `pause` (longer than `claim_min_idle_ms`:
+    /// its entries are taken over, and its late steps land after).
+    WorkerPause { worker: usize, pause: Duration },
+    /// SIGKILL redis-server, start it again after `down` with its append-only file.
+    RedisRestart { down: Duration },
+    /// A Lua busy loop from another client for `busy`: every other command gets BUSY.
+    Busy { busy: Duration },
+    /// `maxmemory` below what Redis uses (`hard`) or just above it, for `squeeze`; then
+    /// back to no limit.
+    OomSqueeze { squeeze: Duration, hard: bool },
+    /// The server of `slot` stops heartbeating and writing (a hung process); once its
+    /// fence stands it wakes up, must be refused (FENCED), and starts again under a new
+    /// id.
+    Zombie { slot: usize },
+    /// The server of `slot` crashes; its users reconnect elsewhere; a new incarnation
+    /// starts after `back_after`. With `monitoring`, monitoring publishes its
+    /// `server.dead` once its liveness TTL has passed (otherwise the reconciler finds it).
+    ServerCrash {
+        slot: usize,
+        back_after: Duration,
+        monitoring: bool,
+    },
+    /// Every server of `zone` crashes at once.
+    ZoneOutage {
+        zone: usize,
+        back_after: Duration,
+        monitoring: bool,
+    },
+    /// `server.dead` for servers that never existed.
+    DeadUnknown { count: usize },
+    /// `server.dead` again for a server already cleaned (the `pick`-th of them, modulo).
+    DeadAgain { pick: u32 },
+    /// Malformed entries on the events stream.
+    Malformed { shapes: Vec<Shape> },
+}
+
+impl Fault {
+    pub fn kind(&self) -> Kind {
+        match self {
+            Fault::WorkerKill { .. } => Kind::WorkerKill,
+            Fault::WorkerPause { .. } => Kind::WorkerPause,
+            Fault::RedisRestart { .. } => Kind::RedisRestart,
+            Fault::Busy { .. } => Kind::Busy,
+            Fault::OomSqueeze { .. } => Kind::OomSqueeze,
+            Fault::Zombie { .. } => Kind::Zombie,
+            Fault::ServerCrash { .. } => Kind::ServerCrash,
+            Fault::ZoneOutage { .. } => Kind::ZoneOutage,
+            Fault::DeadUnknown { .. } => Kind::DeadUnknown,
+            Fault::DeadAgain { .. } => Kind::DeadAgain,
+            Fault::Malformed { .. } => Kind::Malformed,
+        }
+    }
+}
+
+fn secs(d: Duration) -> String {
+    format!("{:.1}s", d.as_secs_f64())
+}
+
+impl fmt::Display for Fault {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let name = self.kind().name();
+        match self {
+            Fault::WorkerKill { worker, back_after } => {
+                write!(
+                    f,
+                    "{name} worker-{worker}, a new one after {}",
+                    secs(*back_after)
+                )
+            }
+            Fault::WorkerPause { worker, pause } => {
+                write!(f, "{name} worker-{worker} for {}", secs(*pause))
+            }
+            Fault::RedisRestart { down } => write!(f, "{name}, down {}", secs(*down)),
+            Fault::Busy { busy } => write!(f, "{name} for {}", secs(*busy)),
+            Fault::OomSqueeze { squeeze, hard } => write!(
+                f,
+                "{name} for {} ({})",
+                secs(*squeeze),
+                if *hard { "below use" } else { "at the edge" }
+            ),
+            Fault::Zombie { slot } => write!(f, "{name} slot {slot}"),
+            Fault::ServerCrash {
+                slot,
+                back_after,
+                monitoring,
+            } => write!(
+                f,
+                "{name} slot {slot}, back after {}{}",
+                secs(*back_after),
+                if *monitoring {
+                    ", monitoring reports"
+                } else {
+                    ""
+                }
+            ),
+            Fault::ZoneOutage {
+                zone,
+                back_after,
+                monitoring,
+            } => write!(
+                f,
+                "{name} zone {zone}, back after {}{}",
+                secs(*back_after),
+                if *monitoring {
+                    ", monitoring reports"
+                } else {
+                    ""
+                }
+            ),
+            Fault::DeadUnknown { count } => write!(f, "{name} x{count}"),
+            Fault::DeadAgain { pick } => write!(f, "{name} (pick {pick})"),
+            Fault::Malformed { shapes } => {
+                let names: Vec<&str> = shapes.iter().map(|s| s.name()).collect();
+                write!(f, "{name} [{}]", names.join(", "))
+            }
+        }
+    }
+}
+
+/// One fault and its offset from the start of the run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Planned {
+    pub at: Duration,
+    pub fault: Fault,
+}
+
+/// The shape of the run the schedule is drawn for.
+#[derive(Debug, Clone)]
+pub struct RunShape {
+    pub duration: Duration,
+    pub workers: usize,
+    pub slots: usize,
+    pub zones: usize,
+    pub kinds: Vec<Kind>,
+}
+
+/// The faults of one run, in order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Schedule {
+    pub seed: u64,
+    pub faults: Vec<Planned>,
+}
+
+/// Time before the first fault: the fleet and the janitor settle first.
+const WARM_UP: Duration = Duration::from_secs(4);
+/// A zombie holds its slot this long in the draw (it wakes when fenced, a few seconds).
+const ZOMBIE_HOLD: Duration = Duration::from_secs(30);
+/// Slots kept live whatever the draw: users need somewhere to reconnect to.
+const MIN_LIVE_SLOTS: usize = 4;
+
+fn ms(rng: &mut StdRng, lo: u64, hi: u64) -> Duration {
+    Duration::from_millis(rng.random_range(lo..hi))
+}
+
+impl Schedule {
+    /// The schedule of `seed` for a run of `shape`.
+    pub fn draw(seed: u64, shape: &RunShape) -> Schedule {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let total: u32 = shape.kinds.iter().map(|k| k.weight()).sum();
+        let mut redis_free = Duration::ZERO;
+        let mut worker_free = vec![Duration::ZERO; shape.workers];
+        let mut slot_free = vec![Duration::ZERO; shape.slots];
+        let zone_of = |slot: usize| slot % shape.zones.max(1);
+        let mut faults = Vec::new();
+        let mut t = WARM_UP;
+        while t < shape.duration {
+            let mut pick = rng.random_range(0..total.max(1));
+            let kind = *shape
+                .kinds
+                .iter()
+                .find(|k| {
+                    if pick < k.weight() {
+                        true
+                    } else {
+                        pick -= k.weight();
+                        false
+                    }
+                })
+                .expect("a kind");
+            let free_slots: Vec<usize> = (0..shape.slots).filter(|&s| slot_free[s] <= t).collect();
+            let fault = match kind {
+                _ if kind.on_redis() && redis_free > t => None,
+                Kind::WorkerKill => {
+                    let free: Vec<usize> = (1..shape.workers)
+                        .filter(|&w| worker_free[w] <= t)
+                        .collect();
+                    (!free.is_empty()).then(|| {
+                        let worker = free[rng.random_range(0..free.len())];
+                        let back_after = ms(&mut rng, 300, 3000);
+                        worker_free[worker] = t + back_after + Duration::from_secs(1);
+                        Fault::WorkerKill { worker, back_after }
+                    })
+                }
+                Kind::WorkerPause => {
+                    let free: Vec<usize> = (0..shape.workers)
+                        .filter(|&w| worker_free[w] <= t)
+                        .collect();
+                    (!free.is_empty()).then(|| {
+                        let worker = free[rng.random_range(0..free.len())];
+                        let pause = ms(&mut rng, 1500, 6000);
+                        worker_free[worker] = t + pause + Duration::from_secs(1);
+                        Fault::WorkerPause { worker, pause }
+                    })
+                }
+                Kind::RedisRestart => {
+                    let down = ms(&mut rng, 300, 4000);
+                    redis_free = t + down + Duration::from_secs(4);
+                    Some(Fault::RedisRestart { down })
+                }
+                Kind::Busy => {
+                    let busy = ms(&mut rng, 500, 4500);
+                    redis_free = t + busy + Duration::from_secs(3);
+                    Some(Fault::Busy { busy })
+                }
+                Kind::OomSqueeze => {
+                    let squeeze = ms(&mut rng, 1000, 6000);
+                    let hard = rng.random_bool(0.5);
+                    redis_free = t + squeeze + Duration::from_secs(3);
+                    Some(Fault::OomSqueeze { squeeze, hard })
+                }
+                Kind::Zombie | Kind::ServerCrash if free_slots.len() > MIN_LIVE_SLOTS => {
+                    let slot = free_slots[rng.random_range(0..free_slots.len())];
+                    if kind == Kind::Zombie {
+                        slot_free[slot] = t + ZOMBIE_HOLD;
+                        Some(Fault::Zombie { slot })
+                    } else {
+                        let back_after = ms(&mut rng, 2000, 9000);
+                        slot_free[slot] = t + back_after + Duration::from_secs(1);
+                        Some(Fault::ServerCrash {
+                            slot,
+                            back_after,
+                            monitoring: rng.random_bool(0.4),
+                        })
+                    }
+                }
+                Kind::ZoneOutage => {
+                    let zone = rng.random_range(0..shape.zones.max(1));
+                    let in_zone: Vec<usize> =
+                        (0..shape.slots).filter(|&s| zone_of(s) == zone).collect();
+                    let all_free = in_zone.iter().all(|s| free_slots.contains(s));
+                    (all_free && free_slots.len() >= in_zone.len() + MIN_LIVE_SLOTS).then(|| {
+                        let back_after = ms(&mut rng, 3000, 10000);
+                        for s in in_zone {
+                            slot_free[s] = t + back_after + Duration::from_secs(1);
+                        }
+                        Fault::ZoneOutage {
+                            zone,
+                            back_after,
+                            monitoring: rng.random_bool(0.4),
+                        }
+                    })
+                }
+                Kind::DeadUnknown => Some(Fault::DeadUnknown {
+                    count: rng.random_range(1..4),
+                }),
+                Kind::DeadAgain => Some(Fault::DeadAgain {
+                    pick: rng.random_range(0..1000),
+                }),
+                Kind::Malformed => {
+                    let n = rng.random_range(1..4);
+                    let shapes = (0..n)
+                        .map(|_| Shape::ALL[rng.random_range(0..Shape::ALL.len())])
+                        .collect();
+                    Some(Fault::Malformed { shapes })
+                }
+                Kind::Zombie | Kind::ServerCrash => None,
+            };
+            if let Some(fault) = fault {
+                faults.push(Planned { at: t, fault });
+            }
+            t += ms(&mut rng, 1500, 5000);
+        }
+        Schedule { seed, faults }
+    }
+
+    /// The faults of each kind, in the order of [`Kind`].
+    pub fn counts(&self) -> std::collections::BTreeMap<Kind, usize> {
+        let mut counts = std::collections::BTreeMap::new();
+        for p in &self.faults {
+            *counts.entry(p.fault.kind()).or_default() += 1;
+        }
+        counts
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape() -> RunShape {
+        RunShape {
+            duration: Duration::from_secs(600),
+            workers: 3,
+            slots: 12,
+            zones: 3,
+            kinds: Kind::NODE.to_vec(),
+        }
+    }
+
+    #[test]
+    fn a_seed_draws_the_same_schedule_every_time() {
+        assert_eq!(Schedule::draw(7, &shape()), Schedule::draw(7, &shape()));
+        assert_ne!(Schedule::draw(7, &shape()), Schedule::draw(8, &shape()));
+    }
+
+    /// The suite's two-minute run (`crates/lab/tests/nemesis.rs`) uses seed 20: every
+    /// kind of fault in two minutes, Redis faults of each kind, two zone outages.
+    #[test]
+    fn the_suites_seed_draws_every_kind_in_two_minutes() {
+        let s = Schedule::draw(
+            20,
+            &RunShape {
+                duration: Duration::from_secs(120),
+                ..shape()
+            },
+        );
+        let counts = s.counts();
+        for kind in Kind::NODE {
+            assert!(counts.get(&kind).copied().unwrap_or(0) > 0, "no {kind:?}");
+        }
+        assert!(counts[&Kind::ZoneOutage] >= 2, "{counts:?}");
+    }
+
+    #[test]
+    fn the_draw_keeps_the_schedule_coherent() {
+        for seed in 0..50 {
+            let s = Schedule::draw(seed, &shape());
+            let counts = s.counts();
+            assert!(s.faults.len() > 100, "{seed}: {} faults", s.faults.len());
+            for kind in Kind::NODE {
+                assert!(
+                    counts.get(&kind).copied().unwrap_or(0) > 0,
+                    "{seed}: no {kind:?}"
+                );
+            }
+            let mut redis_until = Duration::ZERO;
+            for p in &s.faults {
+                match &p.fault {
+                    Fault::RedisRestart { down: d }
+                    | Fault::Busy { busy: d }
+                    | Fault::OomSqueeze { squeeze: d, .. } => {
+                        assert!(
+                            p.at >= redis_until,
+                            "{seed}: Redis faults overlap at {:?}",
+                            p.at
+                        );
+                        redis_until = p.at + *d;
+                    }
+                    Fault::WorkerKill { worker, .. } => assert_ne!(*worker, 0),
+                    _ => {}
+                }
+            }
+        }
+    }
+}
