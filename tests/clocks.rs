@@ -2,9 +2,11 @@
 //! hour behind, alive and dead, on one node and on a local Redis Cluster, with a
 //! reconciler (expiry hints and passes) and a worker running. The servers that keep
 //! heartbeating (one missed stretch each, longer than their liveness TTL and well inside
-//! the grace) are never declared dead; those that stop are declared dead no sooner than
-//! a grace after their last heartbeat, and within about the grace, like a server whose
-//! clock is right.
+//! the grace) are never declared dead, fenced or cleaned; those that stop are declared
+//! dead no sooner than a grace after their last heartbeat, and within about the grace,
+//! like a server whose clock is right. (A writer that scores with its own clock behind
+//! Redis's is alive only while its liveness key stands, the documented exception: it is
+//! run with a liveness key that never lapses, and dies without the lower bound.)
 //!
 //! Both kinds of writer are run: the protocol (`heartbeat.lua`, which scores with Redis's
 //! time whatever the caller sends, and on a cluster `heartbeat_servers.lua`), and a
@@ -132,7 +134,7 @@ async fn heartbeat(conn: &RedisConn, keys: &Keys, m: &Member, cluster: bool) -> 
     if !cluster {
         call.key(keys.servers());
     }
-    call.arg(m.server.as_str()).arg(TTL_MS).arg(&own_ms);
+    call.arg(m.server.as_str()).arg(ttl_ms(m)).arg(&own_ms);
     match call.invoke_async::<i64>(&mut conn.clone()).await {
         Ok(_) => {}
         Err(e) if e.code() == Some("FENCED") => return Err(true),
@@ -177,12 +179,26 @@ struct Fleet {
     stopped: BTreeMap<String, Arc<AtomicBool>>,
 }
 
-/// Whether `m` misses a stretch: a live server, unless it scores with its own clock
-/// behind Redis's (its score looks old; once its liveness key is gone it is dead at
-/// once: the documented exception, not what this test is about).
+/// Whether `m` scores with its own clock behind Redis's: its score looks old, so once
+/// its liveness key is gone it is taken for dead at once (the documented exception).
+/// While the key stands it is alive: its key is given a TTL that no stall of a loaded
+/// machine outlasts, and it misses no stretch.
+fn scores_behind(m: &Member) -> bool {
+    m.writer == Writer::OwnClock && m.skew_ms < 0
+}
+
+/// Whether `m` misses a stretch: a live server, except one that [`scores_behind`].
 fn misses(m: &Member) -> bool {
-    let scores_behind = m.writer == Writer::OwnClock && m.skew_ms < 0;
-    !m.dies && !scores_behind
+    !m.dies && !scores_behind(m)
+}
+
+/// The liveness TTL `m` heartbeats with.
+fn ttl_ms(m: &Member) -> u64 {
+    if !m.dies && scores_behind(m) {
+        60_000
+    } else {
+        TTL_MS
+    }
 }
 
 impl Fleet {
