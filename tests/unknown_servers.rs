@@ -23,8 +23,12 @@ use registry_janitor::{
 };
 use registry_janitor_testkit::RedisCluster;
 
-const SHORT_MS: u64 = 3_000;
+/// The short lifetime of the tests that record fences themselves: long enough that none
+/// expires before it is checked, on a loaded machine too.
+const SHORT_MS: u64 = 30_000;
 const FULL_MS: u64 = 600_000;
+/// The short lifetime given to the worker where a test waits for the fences to expire.
+const WORKER_SHORT_MS: u64 = 8_000;
 const LIFETIMES: Lifetimes = Lifetimes {
     ttl_ms: FULL_MS,
     unknown_ttl_ms: SHORT_MS,
@@ -56,7 +60,12 @@ async fn fence_of(conn: &RedisConn, keys: &Keys, s: &ServerId) -> (i64, bool, bo
 
 /// A short fence: standing, at most the short lifetime, marked, not indexed.
 fn is_short(fence: (i64, bool, bool)) -> bool {
-    fence.0 > 0 && fence.0 <= SHORT_MS as i64 && fence.1 && !fence.2
+    is_short_of(fence, SHORT_MS)
+}
+
+/// A short fence of lifetime `short_ms`.
+fn is_short_of(fence: (i64, bool, bool), short_ms: u64) -> bool {
+    fence.0 > 0 && fence.0 <= short_ms as i64 && fence.1 && !fence.2
 }
 
 /// A full fence: standing past the short lifetime, not marked, indexed.
@@ -84,7 +93,7 @@ async fn used_memory(conn: &RedisConn) -> u64 {
 /// expired.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn verdicts_on_unknown_servers_are_fenced_briefly_and_not_indexed() {
-    let f = Fixture::with(Layout::Hash, |s| s.fence_unknown_ttl_ms = SHORT_MS);
+    let f = Fixture::with(Layout::Hash, |s| s.fence_unknown_ttl_ms = WORKER_SHORT_MS);
     let known = server("gw-known#1");
     f.seed(&known, 100).await;
     let unknown: Vec<ServerId> = (0..200)
@@ -103,7 +112,7 @@ async fn verdicts_on_unknown_servers_are_fenced_briefly_and_not_indexed() {
     assert_eq!(f.still_pointing(&known, 100).await, 0);
     for s in &unknown {
         let fence = fence_of(&f.conn, &f.keys, s).await;
-        assert!(is_short(fence), "{s}: {fence:?}");
+        assert!(is_short_of(fence, WORKER_SHORT_MS), "{s}: {fence:?}");
     }
     let standing = fence::standing(&f.conn, &f.keys, None).await.unwrap();
     assert_eq!(
