@@ -528,3 +528,70 @@ async fn a_score_in_the_future_is_lowered_to_redis_time() {
     let report = r.pass().await.unwrap();
     assert_eq!((report.candidates, report.published), (2, 2), "{report:?}");
 }
+
+/// A reconciler whose ACL user may not write `servers` (the reconciler's rules of
+/// k8s/redis-acl.example.conf without `(~servers +zadd)`: an ACL left as it was):
+/// a score in the future is not lowered, the check still answers (the server counts as
+/// heard from now, for a grace), and the pass runs on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconciler_that_may_not_lower_scores_runs_on() {
+    use registry_janitor::{metrics::Metrics, reconcile::Reconciler, reconcile::Verdict};
+    let f = Fixture::with(Layout::Hash, |s| {
+        s.key_prefix = String::new(); // the shipped rules name the keys without a prefix
+        s.heartbeat_grace_ms = 2_000;
+    });
+    let conf = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/k8s/redis-acl.example.conf"
+    ))
+    .unwrap();
+    let line = conf
+        .lines()
+        .find(|l| l.starts_with("user janitor-reconciler "))
+        .unwrap();
+    assert!(line.contains(" (~servers +zadd)"), "{line}");
+    let mut rules: Vec<String> = line
+        .replace(" (~servers +zadd)", "")
+        .split_whitespace()
+        .skip(2)
+        .map(str::to_owned)
+        .collect();
+    for r in rules.iter_mut().filter(|r| r.starts_with('#')) {
+        *r = ">pw".to_owned();
+    }
+    let _: () = f
+        .query(
+            redis::cmd("ACL")
+                .arg("SETUSER")
+                .arg("no-lowering")
+                .arg(&rules),
+        )
+        .await;
+    let mut settings = f.settings.clone();
+    settings.redis_url = f.redis.url().replace("redis://", "redis://no-lowering:pw@");
+    let ahead = server("gw-ahead#1");
+    let future = redis_ms(&f.conn).await + HOUR_MS as u64;
+    let _: () = f
+        .query(
+            redis::cmd("ZADD")
+                .arg(f.keys.servers())
+                .arg(future)
+                .arg(ahead.as_str()),
+        )
+        .await;
+    let r = Reconciler::new(&settings, Metrics::new()).await.unwrap();
+    let report = r.pass().await.unwrap();
+    assert_eq!(report.candidates, 0, "{report:?}");
+    match r.check(&ahead).await.unwrap() {
+        Verdict::TooRecent { remaining_ms, .. } => assert!(remaining_ms <= 2_000),
+        other => panic!("{other:?}"),
+    }
+    let score: f64 = f
+        .query(
+            redis::cmd("ZSCORE")
+                .arg(f.keys.servers())
+                .arg(ahead.as_str()),
+        )
+        .await;
+    assert_eq!(score, future as f64, "not lowered: the ACL refuses it");
+}

@@ -233,7 +233,8 @@ impl Reconciler {
             match self.check(server).await {
                 // Measured on Redis's clock by the check itself: no local clock is read.
                 Ok(Verdict::TooRecent { remaining_ms, .. }) => {
-                    tokio::time::sleep(Duration::from_millis(remaining_ms + 50)).await;
+                    let wait = remaining_ms.min(self.settings.heartbeat_grace_ms);
+                    tokio::time::sleep(Duration::from_millis(wait + 50)).await;
                 }
                 Ok(Verdict::Waiting { remaining_ms }) => {
                     tokio::time::sleep(Duration::from_millis(remaining_ms + 50)).await;

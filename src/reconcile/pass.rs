@@ -116,9 +116,11 @@ impl Reconciler {
             // lowered first: see `crate::clock`).
             let seen = self.lowered(&[server.as_str()]).await?;
             let grace = self.settings.heartbeat_grace_ms;
-            if let Some(score) =
-                seen.scores[0].filter(|&s| !clock::is_past_grace(s, seen.now_ms, grace))
-            {
+            // A score still in the future (its lowering refused) counts as now, as in
+            // report_dead.lua.
+            let ceiling = (seen.now_ms + self.tolerance_ms()) as f64;
+            let score = seen.scores[0].map(|s| if s > ceiling { seen.now_ms as f64 } else { s });
+            if let Some(score) = score.filter(|&s| !clock::is_past_grace(s, seen.now_ms, grace)) {
                 let heartbeat_ms = score as u64;
                 return Ok(Verdict::TooRecent {
                     heartbeat_ms,
