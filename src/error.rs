@@ -61,6 +61,14 @@ pub enum Error {
     #[error("server {server} is fenced (declared dead); close its sockets and start again under a new server id")]
     Fenced { server: String },
 
+    /// A cleanup step refused by the data format (Redis error code `FORMAT`): the format
+    /// in use, or the format the cleanup's progress was written under, is outside what
+    /// this worker's build works under. The cleanup stops without acknowledging, and its
+    /// entry is handed over to a worker that works under the format in use. See
+    /// [`crate::format`].
+    #[error("the data format moved on: {0}")]
+    Format(String),
+
     /// Local I/O (starting a private redis-server, reading a file).
     #[error("{context}: {source}")]
     Io {
@@ -72,6 +80,9 @@ pub enum Error {
 
 impl From<redis::RedisError> for Error {
     fn from(e: redis::RedisError) -> Self {
+        if e.code() == Some("FORMAT") {
+            return Error::Format(e.detail().unwrap_or("").to_owned());
+        }
         Error::Redis(e)
     }
 }
@@ -237,6 +248,12 @@ pub const PERMANENT_CODES: &[(&str, &str)] = &[
     (
         "CROSSSLOT",
         "keys of one command in several slots: a bug, not a state",
+    ),
+    (
+        "FORMAT",
+        "a cleanup step of a worker whose build does not work under the data format in \
+         use (or the format of the cleanup's progress): it hands the cleanup over (see \
+         format)",
     ),
 ];
 

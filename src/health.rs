@@ -3,8 +3,9 @@
 //! - [`Health`] (liveness): the process's main loop has turned recently. A Redis outage
 //!   does not fail it (the loop keeps turning while it retries); a stuck loop does.
 //! - [`Readiness`]: nothing of the process's work is failing on a transient Redis state,
-//!   Redis answers and, for a worker, its consumer can be registered in the group (a
-//!   write: refused under OOM, NOREPLICAS, MISCONF, READONLY).
+//!   Redis answers and, for a worker, its build works under the data format in use (see
+//!   [`crate::format`]) and its consumer can be registered in the group (a write: refused
+//!   under OOM, NOREPLICAS, MISCONF, READONLY).
 //! - [`watch_redis`]: the gauge `registry_janitor_redis_up`, from a PING every few
 //!   seconds, so that an alert can tell "Redis unreachable" without probing `/readyz`.
 
@@ -59,8 +60,8 @@ impl Health {
 ///
 /// Not ready while any of its work is failing on a transient Redis state (see
 /// [`Failing`]: BUSY, LOADING, OOM, NOREPLICAS, MISCONF, READONLY, a refused connection...),
-/// while Redis does not answer PING, and, for a worker, while its consumer cannot be
-/// registered in the group.
+/// while Redis does not answer PING, and, for a worker, while its build does not work
+/// under the data format in use or its consumer cannot be registered in the group.
 #[derive(Clone)]
 pub struct Readiness {
     pub conn: RedisConn,
@@ -74,6 +75,9 @@ pub struct Readiness {
     pub consumer: Option<String>,
     /// The work of this process failing right now.
     pub failing: Arc<Failing>,
+    /// A worker's view of the data format: not ready while its build does not work
+    /// under the format in use (it takes no work then). None for the other processes.
+    pub format: Option<Arc<crate::format::Gate>>,
 }
 
 impl Readiness {
@@ -108,6 +112,9 @@ impl Readiness {
     async fn check_ready(&self) -> Result<(), String> {
         if let Some((what, error)) = self.failing.any() {
             return Err(format!("{what} failing: {error}"));
+        }
+        if let Some(why) = self.format.as_ref().and_then(|gate| gate.refusal()) {
+            return Err(why);
         }
         let mut c = self.conn.clone();
         let check = async {

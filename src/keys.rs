@@ -25,9 +25,11 @@
 //! | `janitor:{guard}:held`     | Hash   | the workers: verdicts the guard holds   |
 //! | `janitor:{guard}:disputed` | ZSet   | the workers: disputed verdicts let through|
 //! | `janitor:{guard}:reachable`| Hash   | the reconciler: Redis's last outage     |
+//! | `janitor:{format}:in_use`  | String | the workers, `format set`: format in use|
+//! | `janitor:{format}:workers` | Hash   | the workers: each one's format, seen    |
 //! | `receiver:alert:{<events>}:<alert>` | String | the alert receiver: entry id, TTL |
 //!
-//! The janitor writes thirteen keys of its own: `registry:events:dead`, the evictions
+//! The janitor writes fifteen keys of its own: `registry:events:dead`, the evictions
 //! stream (named by `evictions_stream`) and every key from `cleanup` on
 //! except `refused`, which connection servers write when refused. `cleanup` records
 //! how far the walk of a dead server's reverse set has gone, so that a cleanup taken over
@@ -41,7 +43,9 @@
 //! reachable, so that every reconciler (and every `reconcile --once`) holds its verdicts
 //! after an outage any of them saw, or after a restart that reloaded it (see
 //! `guard::reachable`); `janitor:{guard}:held` and `janitor:{guard}:disputed`
-//! are the verdict hold's (see [`crate::guard::hold`]). The per-server ones share the
+//! are the verdict hold's (see [`crate::guard::hold`]); `janitor:{format}:in_use` and
+//! `janitor:{format}:workers` are the data format's: the format in use, and the format
+//! each worker runs (see [`crate::format`]). The per-server ones share the
 //! server's hash tag (same cluster slot as the reverse set).
 //! `receiver:alert:*` records that the alert receiver published an alert (the entry id,
 //! for `alert_receiver_dedup_ttl_ms`); its hash tag is the events stream's name, so that
@@ -249,6 +253,19 @@ impl Keys {
     /// see `guard::reachable`.
     pub fn guard_reachable(&self) -> String {
         format!("{}janitor:{{guard}}:reachable", self.prefix)
+    }
+
+    /// The data format in use (String, a format number; absent: format 1). Shares a hash
+    /// tag with [`Keys::format_workers`] (one slot on a cluster, so one script reads
+    /// both). See [`crate::format`].
+    pub fn format_in_use(&self) -> String {
+        format!("{}janitor:{{format}}:in_use", self.prefix)
+    }
+
+    /// The workers' announcements of their format (Hash: field = consumer name, value =
+    /// `<format>:<min format>:<since ms>:<seen ms>`). See [`crate::format`].
+    pub fn format_workers(&self) -> String {
+        format!("{}janitor:{{format}}:workers", self.prefix)
     }
 
     /// The liveness-key name pattern of every server, for expiry notifications:

@@ -54,6 +54,9 @@
 //!   `observation.rs`); doubtful verdicts (disputed, or of a mass silence) beyond its
 //!   limits are held (`hold/`: the decision in `mod.rs`, the fleet's census in
 //!   `census.rs`, how a hold ends in `ending.rs`).
+//! - [`mod@format`]: the data format, which lets workers of two releases run side by side:
+//!   the format in use, each worker's announcement of its own, moving the format forward
+//!   once no older worker is left, and setting it back for a rollback.
 //! - [`maintenance`]: stream retention and removal of gone consumers.
 //! - [`registry`]: the connection-server side (register, unregister, heartbeat; route
 //!   and the reads in `route.rs`; layout `conns`, a user with several connections, in
@@ -95,6 +98,7 @@ pub mod error;
 pub mod event;
 pub mod evictions;
 pub mod fence;
+pub mod format;
 pub mod forward;
 pub mod guard;
 pub(crate) mod health;

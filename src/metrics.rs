@@ -137,6 +137,10 @@ pub struct Metrics {
     pub guard_held: IntGauge,
     /// The guard's decisions on doubtful verdicts, and the ends of holds, by decision.
     pub guard_verdicts: IntCounterVec,
+    /// The data format in use, as this worker last read it (0 before the first read).
+    pub format_in_use: IntGauge,
+    /// 1 while the format in use is newer than this worker's build: it takes no work.
+    pub format_behind: IntGauge,
     /// Alert receiver: requests answered, by HTTP status code.
     pub receiver_requests: IntCounterVec,
     /// Alert receiver: alerts of accepted webhooks, by outcome ([`alert_outcome`]).
@@ -440,6 +444,20 @@ impl Metrics {
         registry
             .register(Box::new(guard_verdicts.clone()))
             .expect(UNIQUE);
+        let format_in_use = gauge(
+            "registry_janitor_format_in_use",
+            "The data format in use, as this worker last read it (0 before the first read)",
+        );
+        let format_behind = gauge(
+            "registry_janitor_format_behind",
+            "1 while the data format in use is newer than this worker's build: it takes no work and waits to be replaced",
+        );
+        for c in [
+            Box::new(format_in_use.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(format_behind.clone()),
+        ] {
+            registry.register(c).expect(UNIQUE);
+        }
         Metrics {
             registry,
             events,
@@ -473,6 +491,8 @@ impl Metrics {
             steps,
             guard_held,
             guard_verdicts,
+            format_in_use,
+            format_behind,
             receiver_requests,
             receiver_alerts,
             receiver_unauthorized,

@@ -50,6 +50,9 @@ pub struct Status {
     /// The reconciler's outage guard, from `janitor:{guard}:reachable`; `None` until a reconciler
     /// has run (or where it may not be read).
     pub reachable: Option<ReachableStatus>,
+    /// The data format in use and the workers' announcements (`registry-janitor format
+    /// status` tells more); `None` where they may not be read.
+    pub format: Option<crate::format::FormatStatus>,
 }
 
 /// The reconciler's outage guard (see `guard::reachable`).
@@ -119,6 +122,14 @@ pub async fn collect(settings: &Settings) -> Result<Status> {
     if let Some(stream) = keys.evictions() {
         status.evictions = Some(evictions_status(&conn, stream).await?);
     }
+    status.format = crate::format::status(
+        &conn,
+        &keys,
+        crate::format::Build::current()?,
+        settings.claim_min_idle_ms,
+    )
+    .await
+    .ok();
     Ok(status)
 }
 
@@ -178,6 +189,7 @@ pub async fn collect_from(conn: &RedisConn, keys: &Keys) -> Result<Status> {
         evictions: None,
         held: crate::guard::hold::list(conn, keys).await?,
         reachable: None,
+        format: None,
     };
     if stream_length == 0 && !exists(&mut c, &keys.events()).await? {
         return Ok(status);

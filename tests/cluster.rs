@@ -1,7 +1,9 @@
 //! The worker on a local Redis Cluster (redis-server processes on free ports, created
-//! with redis-cli --cluster create): both layouts end to end, the reconnect race, and a
-//! master killed mid-cleanup that fails over to its replica. Skipped, with a message
-//! saying so, only when this redis-server cannot run a cluster.
+//! with redis-cli --cluster create): each layout end to end, the reconnect race, a master
+//! killed mid-cleanup that fails over to its replica, a takeover after a failover,
+//! fencing and a live reshard; in layout conns with users who hold several connections
+//! on several servers ([`Devices`]). Skipped, with a message saying so, only when this
+//! redis-server cannot run a cluster.
 
 mod common;
 
@@ -75,6 +77,19 @@ impl ClusterFixture {
 
     async fn still_pointing(&self, s: &registry_janitor::event::ServerId, users: usize) -> usize {
         still_pointing(&self.registry, &self.conn, s, users).await
+    }
+
+    /// Layout conns: every connection on the masters (all of them, not only the users a
+    /// test seeded) whose field names `s`.
+    async fn connections_naming(
+        &self,
+        s: &registry_janitor::event::ServerId,
+    ) -> Vec<(Vec<u8>, Vec<u8>)> {
+        let urls: Vec<String> = masters(&self.cluster)
+            .into_iter()
+            .map(|i| self.cluster.nodes[i].url())
+            .collect();
+        connections_naming(&urls, &self.keys, s).await
     }
 }
 
@@ -161,26 +176,51 @@ async fn cleans_dead_servers_on_a_cluster_conns_layout() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reconnects_race_the_cleanup_on_a_cluster() {
-    let Some(f) = ClusterFixture::start(3, 0, Layout::Keys, 50).await else {
+    reconnects_race_the_cleanup(Layout::Keys).await;
+}
+
+/// Layout conns: the users hold several connections on several servers ([`Devices`]);
+/// connections of the dead server reconnect to a live one while it is cleaned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconnects_race_the_cleanup_on_a_cluster_conns_layout() {
+    reconnects_race_the_cleanup(Layout::Conns).await;
+}
+
+async fn reconnects_race_the_cleanup(layout: Layout) {
+    let Some(f) = ClusterFixture::start(3, 0, layout, 50).await else {
         return;
     };
     let (dead, live) = (server("gw-dead#1"), server("gw-new#1"));
     const USERS: usize = 6_000;
     seed(&f.registry, &f.conn, &dead, USERS).await;
+    let devices = match layout {
+        Layout::Conns => {
+            let laptops = server("gw-laptops#1");
+            Some(Devices::add(&f.registry, &f.conn, &dead, [&live, &laptops], USERS, USERS).await)
+        }
+        _ => None,
+    };
     let worker = spawn_worker(&f.settings);
     kill(&f.conn, &f.keys, &dead).await;
     // A reconnect that reads what it replaced (one key: one slot), then joins the reverse
     // set: the oracle of which users were kept.
-    let swap = redis::Script::new("return redis.call('SET', KEYS[1], ARGV[1], 'GET')");
+    let swap = match layout {
+        Layout::Conns => redis::Script::new(
+            "local old = redis.call('HGET', KEYS[1], ARGV[2]) \
+             redis.call('HSET', KEYS[1], ARGV[2], ARGV[1]) return old",
+        ),
+        _ => redis::Script::new("return redis.call('SET', KEYS[1], ARGV[1], 'GET')"),
+    };
     let (mut moved, mut kept, mut during) = (Vec::new(), Vec::new(), 0);
     for n in (0..USERS).rev().step_by(5) {
-        let u = user(&dead, n);
-        let was: Option<String> = swap
-            .key(f.keys.user(&u))
-            .arg(live.as_str())
-            .invoke_async(&mut f.conn.clone())
-            .await
-            .unwrap();
+        let u = entry(layout, &dead, n);
+        let (key, field) = f.keys.forward_of_member(layout, &u).unwrap();
+        let mut call = swap.key(key);
+        call.arg(live.as_str());
+        if let Some(field) = field {
+            call.arg(field);
+        }
+        let was: Option<String> = call.invoke_async(&mut f.conn.clone()).await.unwrap();
         let _: () = redis::cmd("SADD")
             .arg(f.keys.server_users(&live))
             .arg(&u)
@@ -191,7 +231,7 @@ async fn reconnects_race_the_cleanup_on_a_cluster() {
             kept.push(u);
         }
         moved.push(n);
-        let cleaner = registry_janitor::cleanup::Cleaner::new(f.keys.clone(), Layout::Keys, 1, 1);
+        let cleaner = registry_janitor::cleanup::Cleaner::new(f.keys.clone(), layout, 1, 1);
         let exists = u64::from(cleaner.progress(&f.conn, &dead).await.unwrap().is_some());
         during += exists;
     }
@@ -203,7 +243,7 @@ async fn reconnects_race_the_cleanup_on_a_cluster() {
     for n in &moved {
         assert_eq!(
             f.registry
-                .owner(&f.conn, &user(&dead, *n))
+                .owner(&f.conn, &entry(layout, &dead, *n))
                 .await
                 .unwrap()
                 .as_deref(),
@@ -219,7 +259,7 @@ async fn reconnects_race_the_cleanup_on_a_cluster() {
         announced.into_iter().map(|(_, u)| u).collect();
     let kept: std::collections::HashSet<Vec<u8>> = kept.into_iter().collect();
     for n in 0..USERS {
-        let u = user(&dead, n);
+        let u = entry(layout, &dead, n);
         assert_eq!(
             announced.contains(&u),
             !kept.contains(&u),
@@ -228,6 +268,22 @@ async fn reconnects_race_the_cleanup_on_a_cluster() {
             kept.contains(&u)
         );
     }
+    if let Some(devices) = devices {
+        // The connections that moved name the live server; every other connection of
+        // the dead server is gone (and announced), the others untouched.
+        let moved: Vec<_> = moved
+            .iter()
+            .map(|n| (entry(layout, &dead, *n), live.clone()))
+            .collect();
+        devices.assert_end_state(&f.registry, &f.conn, &moved).await;
+        assert_eq!(f.connections_naming(&dead).await, vec![]);
+        let never = devices
+            .dead_members()
+            .into_iter()
+            .filter(|m| !kept.contains(m) && !announced.contains(m))
+            .count();
+        assert_eq!(never, 0, "connections deleted and never announced");
+    }
     worker.stop().await;
 }
 
@@ -235,16 +291,33 @@ async fn reconnects_race_the_cleanup_on_a_cluster() {
 /// mid-cleanup; its replica takes over, and the worker carries on to a correct end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_master_killed_mid_cleanup_fails_over_and_the_cleanup_finishes() {
-    let Some(mut f) = ClusterFixture::start(3, 1, Layout::Keys, 20).await else {
+    a_master_killed_mid_cleanup(Layout::Keys).await;
+}
+
+/// Layout conns: the users hold several connections on several servers ([`Devices`]).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_master_killed_mid_cleanup_fails_over_and_the_cleanup_finishes_conns_layout() {
+    a_master_killed_mid_cleanup(Layout::Conns).await;
+}
+
+async fn a_master_killed_mid_cleanup(layout: Layout) {
+    let Some(mut f) = ClusterFixture::start(3, 1, layout, 20).await else {
         return;
     };
     let (dead, live) = (server("gw-dead#1"), server("gw-live#1"));
     const USERS: usize = 15_000;
     seed(&f.registry, &f.conn, &dead, USERS).await;
     seed(&f.registry, &f.conn, &live, 1_000).await;
+    let devices = match layout {
+        Layout::Conns => {
+            let laptops = server("gw-laptops#1");
+            Some(Devices::add(&f.registry, &f.conn, &dead, [&live, &laptops], USERS, 4_000).await)
+        }
+        _ => None,
+    };
     let worker = spawn_worker(&f.settings);
     kill(&f.conn, &f.keys, &dead).await;
-    let cleaner = registry_janitor::cleanup::Cleaner::new(f.keys.clone(), Layout::Keys, 1, 1);
+    let cleaner = registry_janitor::cleanup::Cleaner::new(f.keys.clone(), layout, 1, 1);
     wait_until(
         &f.cluster.nodes[0],
         "the cleanup under way",
@@ -291,13 +364,22 @@ async fn a_master_killed_mid_cleanup_fails_over_and_the_cleanup_finishes() {
     let (announced, _) = evictions_of(&fresh, &f.keys).await;
     let announced: std::collections::HashSet<Vec<u8>> =
         announced.into_iter().map(|(_, u)| u).collect();
-    let missing = (0..USERS)
-        .filter(|n| !announced.contains(&user(&dead, *n)))
-        .count();
+    let deleted: Vec<Vec<u8>> = match &devices {
+        Some(devices) => devices.dead_members(),
+        None => (0..USERS).map(|n| user(&dead, n)).collect(),
+    };
+    let missing = deleted.iter().filter(|u| !announced.contains(*u)).count();
     assert_eq!(
         missing, 0,
         "deleted users never announced after the failover"
     );
+    if let Some(devices) = devices {
+        // Every connection of the dead server gone, every other one of its users kept,
+        // no key left of a user whose every connection was on it; and no connection
+        // anywhere on the cluster names it.
+        devices.assert_end_state(&f.registry, &fresh, &[]).await;
+        assert_eq!(f.connections_naming(&dead).await, vec![]);
+    }
     // No count of deletes or cleaned events is asserted: a delete that the failed master
     // executed and replicated but never answered is not counted, and a delivery the old
     // master did not pass on is made again. The registry's end state (above) and nothing
@@ -528,6 +610,11 @@ async fn reverse_index_drift_is_repaired_on_a_cluster(layout: Layout) {
 
     let report = reconciler.run_once().await.unwrap();
     assert_eq!(report.sweep.members_removed, 300, "{report}");
+    let ttl = count(moved_key.clone(), "PTTL").await;
+    assert!(
+        ttl > 0 && ttl <= 7 * 24 * 3_600_000,
+        "members set aside without an expiry: PTTL {ttl}"
+    );
     assert_eq!(count(users_key.clone(), "SCARD").await, 700);
     assert_eq!(count(moved_key.clone(), "ZCARD").await, 300);
 
@@ -710,12 +797,40 @@ fn masters(cluster: &RedisCluster) -> Vec<usize> {
 /// forward entries of users already walked point at the dead server again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_takeover_after_a_failover_walks_the_set_again() {
-    let Some(mut f) = ClusterFixture::start(3, 1, Layout::Keys, 20).await else {
+    a_takeover_after_a_failover(Layout::Keys).await;
+}
+
+/// Layout conns: the users hold several connections on several servers ([`Devices`]);
+/// the lost deletes are connections' fields naming the dead server again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_after_a_failover_walks_the_set_again_conns_layout() {
+    a_takeover_after_a_failover(Layout::Conns).await;
+}
+
+async fn a_takeover_after_a_failover(layout: Layout) {
+    let Some(mut f) = ClusterFixture::start(3, 1, layout, 20).await else {
         return;
     };
     let dead = server("gw-dead#1");
     const USERS: usize = 10_000;
     seed(&f.registry, &f.conn, &dead, USERS).await;
+    let devices = match layout {
+        Layout::Conns => {
+            let (phones, laptops) = (server("gw-phones#1"), server("gw-laptops#1"));
+            Some(
+                Devices::add(
+                    &f.registry,
+                    &f.conn,
+                    &dead,
+                    [&phones, &laptops],
+                    USERS,
+                    4_000,
+                )
+                .await,
+            )
+        }
+        _ => None,
+    };
     let first = WorkerProcess::start_with(&f.settings, &[("JANITOR_REDIS_CLUSTER", "true")]);
     kill(&f.conn, &f.keys, &dead).await;
     wait_walked(&f.cluster.nodes[0], &f.conn, &f.keys, &dead, 2_000).await;
@@ -723,7 +838,7 @@ async fn a_takeover_after_a_failover_walks_the_set_again() {
     let (status, _) = first.wait(Duration::from_secs(10));
     assert!(status.is_some(), "the worker did not die");
     // Users the first worker already deleted: their entries come back, as lost deletes.
-    let ids: Vec<Vec<u8>> = (0..USERS).map(|n| user(&dead, n)).collect();
+    let ids: Vec<Vec<u8>> = (0..USERS).map(|n| entry(layout, &dead, n)).collect();
     let owners = f.registry.owners(&f.conn, &ids).await.unwrap();
     let walked: Vec<&Vec<u8>> = ids
         .iter()
@@ -738,9 +853,7 @@ async fn a_takeover_after_a_failover_walks_the_set_again() {
         walked.len()
     );
     for u in &walked {
-        let _: () = redis::cmd("SET")
-            .arg(f.keys.user(u))
-            .arg(dead.as_str())
+        let _: () = forward_write(&f.keys, layout, u, dead.as_str())
             .query_async(&mut f.conn.clone())
             .await
             .unwrap();
@@ -778,6 +891,10 @@ async fn a_takeover_after_a_failover_walks_the_set_again() {
         0,
         "deletes lost in the failover were not made again"
     );
+    if let Some(devices) = devices {
+        devices.assert_end_state(&f.registry, &fresh, &[]).await;
+        assert_eq!(f.connections_naming(&dead).await, vec![]);
+    }
     second.stop().await;
 }
 
@@ -788,14 +905,33 @@ async fn a_takeover_after_a_failover_walks_the_set_again() {
 /// stands; nothing names it afterwards and the live server loses nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fencing_holds_on_a_cluster() {
+    fencing_holds(Layout::Keys).await;
+}
+
+/// Layout conns: the users hold several connections on several servers ([`Devices`]);
+/// the zombie registers connections; `route_user` (single-slot steps on a cluster)
+/// returns exactly the live servers of a user's connections all the while.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fencing_holds_on_a_cluster_conns_layout() {
+    fencing_holds(Layout::Conns).await;
+}
+
+async fn fencing_holds(layout: Layout) {
     use registry_janitor::{error::Error, fence};
-    let Some(f) = ClusterFixture::start(3, 0, Layout::Keys, 10).await else {
+    let Some(f) = ClusterFixture::start(3, 0, layout, 10).await else {
         return;
     };
     let (dead, live) = (server("gw-dead#1"), server("gw-live#1"));
     const USERS: usize = 4_000;
     seed(&f.registry, &f.conn, &dead, USERS).await;
     seed(&f.registry, &f.conn, &live, 100).await;
+    let devices = match layout {
+        Layout::Conns => {
+            let laptops = server("gw-laptops#1");
+            Some(Devices::add(&f.registry, &f.conn, &dead, [&live, &laptops], USERS, USERS).await)
+        }
+        _ => None,
+    };
     let heartbeats =
         heartbeat_until_fenced(&f.registry, &f.conn, &dead, Duration::from_millis(100));
     let zombie = {
@@ -803,7 +939,7 @@ async fn fencing_holds_on_a_cluster() {
         tokio::spawn(async move {
             let (mut tried, mut refused) = (Vec::new(), 0);
             for n in 0.. {
-                let u = format!("zombie-{n}").into_bytes();
+                let u = as_entry(layout, format!("zombie-{n}").as_bytes());
                 tried.push(u.clone());
                 match registry.register(&conn, &u, &dead).await {
                     Ok(()) => assert_eq!(refused, 0, "a write was taken after a refusal"),
@@ -827,16 +963,32 @@ async fn fencing_holds_on_a_cluster() {
         || async { fence::is_fenced(&f.conn, &f.keys, &dead).await.unwrap() },
     )
     .await;
-    let (mut routed_dead, mut lookups, mut n) = (0, 0, 0);
+    let (mut routed_dead, mut misrouted, mut lookups, mut n) = (0, 0, 0, 0);
     while is_pending(&f.conn, &f.keys, &id).await {
-        let routed = f.registry.route(&f.conn, &user(&dead, n)).await.unwrap();
+        let routed = f
+            .registry
+            .route(&f.conn, &entry(layout, &dead, n))
+            .await
+            .unwrap();
         routed_dead += usize::from(routed.as_deref() == Some(dead.as_str()));
+        if let Some(devices) = &devices {
+            // The user lookup of the layout: the live servers of the user's connections,
+            // never the dead one, whichever of its connections the cleanup reached.
+            let u = user(&dead, n);
+            let servers = f.registry.route_user(&f.conn, &u).await.unwrap();
+            routed_dead += usize::from(servers.iter().any(|s| s == dead.as_str()));
+            misrouted += usize::from(servers != devices.live_servers_of(&u));
+        }
         lookups += 1;
         n = (n + 13) % USERS;
     }
     assert_eq!(
         routed_dead, 0,
         "route returned the fenced owner ({lookups} lookups)"
+    );
+    assert_eq!(
+        misrouted, 0,
+        "route_user did not return a user's live servers ({lookups} lookups)"
     );
     let beats = tokio::time::timeout(Duration::from_secs(30), heartbeats)
         .await
@@ -857,6 +1009,10 @@ async fn fencing_holds_on_a_cluster() {
     assert_none_point_at(&f.registry, &f.conn, &tried, &dead, 200).await;
     assert_eq!(f.still_pointing(&dead, USERS).await, 0);
     assert_eq!(f.still_pointing(&live, 100).await, 100, "live entries lost");
+    if let Some(devices) = devices {
+        devices.assert_end_state(&f.registry, &f.conn, &[]).await;
+        assert_eq!(f.connections_naming(&dead).await, vec![]);
+    }
     worker.stop().await;
 }
 
@@ -1094,6 +1250,17 @@ async fn a_chunk_of_keys_is_one_script_per_master() {
 /// deleted was announced.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_live_reshard_during_the_cleanup_loses_nothing() {
+    a_live_reshard_during_the_cleanup(Layout::Keys).await;
+}
+
+/// Layout conns: the users hold several connections on several servers ([`Devices`]),
+/// and their Hashes move with the slots; the connections that reconnect are kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_reshard_during_the_cleanup_loses_nothing_conns_layout() {
+    a_live_reshard_during_the_cleanup(Layout::Conns).await;
+}
+
+async fn a_live_reshard_during_the_cleanup(layout: Layout) {
     use std::{
         collections::HashSet,
         sync::{
@@ -1101,7 +1268,7 @@ async fn a_live_reshard_during_the_cleanup_loses_nothing() {
             Arc,
         },
     };
-    let Some(f) = ClusterFixture::start(3, 0, Layout::Keys, 100).await else {
+    let Some(f) = ClusterFixture::start(3, 0, layout, 100).await else {
         return;
     };
     let f = Arc::new(f);
@@ -1110,7 +1277,14 @@ async fn a_live_reshard_during_the_cleanup_loses_nothing() {
     const LIVE: usize = 3_000;
     seed(&f.registry, &f.conn, &dead, USERS).await;
     seed(&f.registry, &f.conn, &live, LIVE).await;
-    let ids: Vec<Vec<u8>> = (0..USERS).map(|n| user(&dead, n)).collect();
+    let devices = match layout {
+        Layout::Conns => {
+            let laptops = server("gw-laptops#1");
+            Some(Devices::add(&f.registry, &f.conn, &dead, [&live, &laptops], USERS, 4_000).await)
+        }
+        _ => None,
+    };
+    let ids: Vec<Vec<u8>> = (0..USERS).map(|n| entry(layout, &dead, n)).collect();
     // Moved before the event: never deleted, never announced.
     let moved_before = &ids[..200];
     for u in moved_before {
@@ -1227,6 +1401,20 @@ async fn a_live_reshard_during_the_cleanup_loses_nothing() {
         "a user whose entry was kept was announced"
     );
     assert!(!cleaned.is_empty(), "server.cleaned was never announced");
+    if let Some(devices) = devices {
+        // Every connection that moved names the live server; every other connection of
+        // the dead server is gone (and announced), its users' other connections kept,
+        // no key left of a user whose every connection was on it; none names it anywhere.
+        let never = devices
+            .dead_members()
+            .into_iter()
+            .filter(|m| !moved.contains(m) && !announced.contains(m))
+            .count();
+        assert_eq!(never, 0, "connections deleted and never announced");
+        let moved: Vec<_> = moved.iter().map(|u| ((*u).clone(), live.clone())).collect();
+        devices.assert_end_state(&f.registry, &conn, &moved).await;
+        assert_eq!(f.connections_naming(&dead).await, vec![]);
+    }
     worker.stop().await;
 }
 

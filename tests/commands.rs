@@ -29,6 +29,7 @@ fn the_service_binary_lists_the_service_commands_only() {
             "status",
             "dead-letters",
             "held",
+            "format",
             "help"
         ],
         "{help}"

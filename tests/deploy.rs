@@ -407,6 +407,50 @@ fn a_disruption_budget_takes_workers_down_one_at_a_time() {
     ));
 }
 
+/// The upgrade and rollback procedure of docs/operations.md is the worker Deployment's
+/// rolling update: one new pod at a time beside the old ones, and an old pod stops only
+/// once a new one is ready (a worker older than the data format in use is never ready,
+/// so a rollback waits for `format set` with every newer worker still cleaning). The
+/// values the procedure names are the manifest's, and readiness is probed on `/readyz`,
+/// which says whether the build works under the format in use.
+#[test]
+fn the_documented_upgrade_and_rollback_is_the_workers_rolling_update() {
+    let worker = object("Deployment", WORKER);
+    let strategy = &worker["spec"]["strategy"];
+    assert_eq!(strategy["type"], "RollingUpdate");
+    let surge = strategy["rollingUpdate"]["maxSurge"].as_u64().unwrap();
+    let unavailable = strategy["rollingUpdate"]["maxUnavailable"]
+        .as_u64()
+        .unwrap();
+    assert!(surge >= 1, "a new pod starts beside the old ones");
+    assert_eq!(
+        unavailable, 0,
+        "no ready worker goes before its replacement is ready"
+    );
+    assert_eq!(
+        container(&worker)["readinessProbe"]["httpGet"]["path"],
+        "/readyz"
+    );
+    let docs = fs::read_to_string(repo_file("docs/operations.md")).unwrap();
+    let section = docs
+        .split("## Upgrading and rolling back")
+        .nth(1)
+        .expect("docs/operations.md has a section on upgrading and rolling back");
+    for named in [
+        "`type: RollingUpdate`".to_owned(),
+        format!("`maxSurge: {surge}`"),
+        format!("`maxUnavailable: {unavailable}`"),
+        format!("deployment/{WORKER}"),
+        "registry-janitor format set".to_owned(),
+        "registry-janitor format status".to_owned(),
+    ] {
+        assert!(
+            section.contains(&named),
+            "docs/operations.md's upgrade procedure does not name {named}"
+        );
+    }
+}
+
 /// The (protocol, port) pairs of a list of NetworkPolicy rules.
 fn rule_ports(rules: &Value) -> Vec<(String, u64)> {
     rules

@@ -183,9 +183,19 @@ async fn chaos(layout: Layout) {
 /// out the outage and finishes; nothing is acknowledged that was not done.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_restarted_under_a_running_worker() {
+    redis_restarted_under_a_worker(Layout::Keys).await;
+}
+
+/// Layout conns: the users hold several connections on several servers ([`Devices`]).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_restarted_under_a_running_worker_conns_layout() {
+    redis_restarted_under_a_worker(Layout::Conns).await;
+}
+
+async fn redis_restarted_under_a_worker(layout: Layout) {
     let mut f = Fixture::on(
         redis_with(&["--appendonly", "yes", "--appendfsync", "always"]),
-        Layout::Keys,
+        layout,
         |s| {
             s.chunk_size = 50;
             s.chunks_in_flight = 1;
@@ -195,6 +205,13 @@ async fn redis_restarted_under_a_running_worker() {
     let (dead, live) = (server("gw-dead#1"), server("gw-live#1"));
     f.seed(&dead, USERS).await;
     f.seed(&live, 1_000).await;
+    let devices = match layout {
+        Layout::Conns => {
+            let laptops = server("gw-laptops#1");
+            Some(Devices::add(&f.registry, &f.conn, &dead, [&live, &laptops], USERS, 8_000).await)
+        }
+        _ => None,
+    };
     let mut worker = WorkerProcess::start(&f.settings);
     f.kill(&dead).await;
     wait_until(
@@ -242,6 +259,13 @@ async fn redis_restarted_under_a_running_worker() {
         1_000,
         "live entries lost"
     );
+    if let Some(devices) = &devices {
+        devices.assert_end_state(&f.registry, &f.conn, &[]).await;
+        assert_eq!(
+            connections_naming(&[f.redis.url()], &f.keys, &dead).await,
+            vec![]
+        );
+    }
     worker.signal("TERM");
     let (status, log) = worker.wait(Duration::from_secs(10));
     assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
@@ -250,7 +274,8 @@ async fn redis_restarted_under_a_running_worker() {
         "the outage and the recovery are logged:\n{log}"
     );
     eprintln!(
-        "redis restart: killed with {left_before} of {USERS} users left; worker recovered, stale 0"
+        "redis restart ({layout:?}): killed with {left_before} of {USERS} users left; worker \
+         recovered, stale 0"
     );
 }
 
@@ -258,7 +283,17 @@ async fn redis_restarted_under_a_running_worker() {
 /// exits 0, the entry stays pending, and another worker takes it over and finishes it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_mid_cleanup_leaves_the_rest_to_another_worker() {
-    let f = Fixture::with(Layout::Hash, |s| {
+    sigterm_mid_cleanup(Layout::Hash).await;
+}
+
+/// Layout conns: the users hold several connections on several servers ([`Devices`]).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_mid_cleanup_leaves_the_rest_to_another_worker_conns_layout() {
+    sigterm_mid_cleanup(Layout::Conns).await;
+}
+
+async fn sigterm_mid_cleanup(layout: Layout) {
+    let f = Fixture::with(layout, |s| {
         s.chunk_size = 10;
         s.chunks_in_flight = 1;
         s.drain_timeout_ms = 300;
@@ -266,6 +301,23 @@ async fn sigterm_mid_cleanup_leaves_the_rest_to_another_worker() {
     const USERS: usize = 60_000;
     let dead = server("gw-big#1");
     f.seed(&dead, USERS).await;
+    let devices = match layout {
+        Layout::Conns => {
+            let (phones, laptops) = (server("gw-phones#1"), server("gw-laptops#1"));
+            Some(
+                Devices::add(
+                    &f.registry,
+                    &f.conn,
+                    &dead,
+                    [&phones, &laptops],
+                    USERS,
+                    8_000,
+                )
+                .await,
+            )
+        }
+        _ => None,
+    };
     let first = WorkerProcess::start(&f.settings);
     f.kill(&dead).await;
     wait_until(
@@ -296,6 +348,13 @@ async fn sigterm_mid_cleanup_leaves_the_rest_to_another_worker() {
     let second = WorkerProcess::start(&f.settings);
     f.wait_idle().await;
     assert_eq!(f.still_pointing(&dead, USERS).await, 0);
+    if let Some(devices) = &devices {
+        devices.assert_end_state(&f.registry, &f.conn, &[]).await;
+        assert_eq!(
+            connections_naming(&[f.redis.url()], &f.keys, &dead).await,
+            vec![]
+        );
+    }
     second.signal("TERM");
     let (status, log) = second.wait(Duration::from_secs(10));
     assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");

@@ -276,7 +276,18 @@ async fn route_returns_only_a_live_unfenced_owner() {
 /// `status` lists the fenced server that still tries to write.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_reconciler_treats_a_fenced_server_as_dead_for_good() {
-    let f = Fixture::with(Layout::Hash, |s| s.reconcile_interval_ms = 100);
+    fenced_for_good(Layout::Hash).await;
+}
+
+/// Layout conns: the late writes are connections, and the orphan's user holds another
+/// connection on a live server, which the drift sweep keeps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reconciler_treats_a_fenced_server_as_dead_for_good_conns_layout() {
+    fenced_for_good(Layout::Conns).await;
+}
+
+async fn fenced_for_good(layout: Layout) {
+    let f = Fixture::with(layout, |s| s.reconcile_interval_ms = 100);
     let s = server("gw-fenced#1");
     f.seed(&s, 50).await;
     let worker = spawn_worker(&f.settings);
@@ -299,9 +310,10 @@ async fn the_reconciler_treats_a_fenced_server_as_dead_for_good() {
     let pass = reconciler.pass().await.unwrap();
     assert_eq!((pass.published, pass.fenced_clean), (0, 1), "{pass:?}");
     // Its late members (original protocol, so not refused) make it reported again.
+    let late = |n: usize| as_entry(layout, format!("late-{n}").as_bytes());
     for n in 0..5 {
         f.registry
-            .register_legacy(&f.conn, format!("late-{n}").as_bytes(), &s)
+            .register_legacy(&f.conn, &late(n), &s)
             .await
             .unwrap();
     }
@@ -310,28 +322,42 @@ async fn the_reconciler_treats_a_fenced_server_as_dead_for_good() {
     assert_eq!(pass.published, 1, "{pass:?}");
     f.wait_idle().await;
     for n in 0..5 {
-        assert_eq!(f.owner(format!("late-{n}").as_bytes()).await, None);
+        assert_eq!(f.owner(&late(n)).await, None);
     }
     // A forward entry naming the fenced owner that no index knows: the drift sweep
     // removes it although the owner's liveness key is there.
+    let orphan = as_entry(layout, b"orphan");
+    let live = server("gw-live#1");
+    if layout == Layout::Conns {
+        f.registry.heartbeat(&f.conn, &live, 600_000).await.unwrap();
+        f.registry
+            .register_connection(&f.conn, b"orphan", "phone", &live)
+            .await
+            .unwrap();
+    }
     let () = f
-        .query(
-            redis::cmd("HSET")
-                .arg(f.keys.registry())
-                .arg("orphan")
-                .arg(s.as_str()),
-        )
+        .query(&forward_write(&f.keys, layout, &orphan, s.as_str()))
         .await;
     legacy_heartbeat().await;
     let once = reconciler.run_once().await.unwrap();
     assert_eq!(once.sweep.entries_removed, 1, "{once}");
-    assert_eq!(f.owner(b"orphan").await, None);
+    assert_eq!(f.owner(&orphan).await, None);
+    if layout == Layout::Conns {
+        assert_eq!(
+            f.registry.connections(&f.conn, b"orphan").await.unwrap(),
+            vec![("phone".to_owned(), live.as_str().to_owned())],
+            "the user's live connection went with the orphan"
+        );
+    }
     // Refused writes of the protocol: counted by operation, and listed by status.
     for _ in 0..3 {
         let refused = f.registry.heartbeat(&f.conn, &s, 1000).await;
         assert!(matches!(refused, Err(Error::Fenced { .. })));
     }
-    let refused = f.registry.register(&f.conn, b"again", &s).await;
+    let refused = f
+        .registry
+        .register(&f.conn, &as_entry(layout, b"again"), &s)
+        .await;
     assert!(matches!(refused, Err(Error::Fenced { .. })));
     reconciler.pass().await.unwrap();
     let by_op = |op: &str| metrics.fence_refused_writes.with_label_values(&[op]).get();
@@ -379,22 +405,47 @@ async fn a_fence_recorded_twice_keeps_its_first_verdict() {
 /// a connection server's protocol writes go on while the janitor cleans.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn live_servers_write_on_through_a_cleanup() {
-    let f = Fixture::new(Layout::Hash);
+    live_servers_write_on(Layout::Hash).await;
+}
+
+/// Layout conns: the live server also opens connections for users of the dead server
+/// while it is cleaned: they keep those, and only those.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_servers_write_on_through_a_cleanup_conns_layout() {
+    live_servers_write_on(Layout::Conns).await;
+}
+
+async fn live_servers_write_on(layout: Layout) {
+    let f = Fixture::new(layout);
     let (dead, live) = (server("gw-dead#1"), server("gw-live#1"));
-    f.seed(&dead, 5_000).await;
+    const USERS: usize = 5_000;
+    f.seed(&dead, USERS).await;
     let stop = Arc::new(AtomicBool::new(false));
     let written = Arc::new(AtomicU64::new(0));
     let writer = {
         let (registry, conn, live) = (f.registry.clone(), f.conn.clone(), live.clone());
+        let dead = dead.clone();
         let (stop, written) = (stop.clone(), written.clone());
         tokio::spawn(async move {
             let mut n = 0;
             while !stop.load(Ordering::Relaxed) {
                 registry.heartbeat(&conn, &live, 60_000).await.unwrap();
-                registry
-                    .register(&conn, format!("l{n}").as_bytes(), &live)
-                    .await
-                    .unwrap();
+                let u = format!("l{n}").into_bytes();
+                if layout == Layout::Conns {
+                    registry
+                        .register_connection(&conn, &u, "phone", &live)
+                        .await
+                        .unwrap();
+                    if (n as usize) < USERS {
+                        // A user of the dead server opens a second connection.
+                        registry
+                            .register_connection(&conn, &user(&dead, n as usize), "laptop", &live)
+                            .await
+                            .unwrap();
+                    }
+                } else {
+                    registry.register(&conn, &u, &live).await.unwrap();
+                }
                 n += 1;
                 written.store(n, Ordering::Relaxed);
             }
@@ -407,10 +458,30 @@ async fn live_servers_write_on_through_a_cleanup() {
     stop.store(true, Ordering::Relaxed);
     let n = writer.await.unwrap();
     assert!(n > 0);
-    let r = Registry::new(f.keys.clone(), Layout::Hash);
+    let r = Registry::new(f.keys.clone(), layout);
     for i in 0..n {
-        let routed = r.route(&f.conn, format!("l{i}").as_bytes()).await.unwrap();
-        assert_eq!(routed.as_deref(), Some(live.as_str()));
+        let u = format!("l{i}").into_bytes();
+        if layout == Layout::Conns {
+            assert_eq!(r.route_user(&f.conn, &u).await.unwrap(), [live.as_str()]);
+        } else {
+            let routed = r.route(&f.conn, &u).await.unwrap();
+            assert_eq!(routed.as_deref(), Some(live.as_str()));
+        }
+    }
+    if layout == Layout::Conns {
+        assert_eq!(f.still_pointing(&dead, USERS).await, 0);
+        for i in 0..USERS {
+            let expected: Vec<(String, String)> = if (i as u64) < n {
+                vec![("laptop".to_owned(), live.as_str().to_owned())]
+            } else {
+                vec![]
+            };
+            assert_eq!(
+                r.connections(&f.conn, &user(&dead, i)).await.unwrap(),
+                expected,
+                "user {i}"
+            );
+        }
     }
     worker.stop().await;
 }
@@ -441,6 +512,51 @@ async fn unregister_answers_the_number_of_entries_it_deleted() {
     assert_eq!(f.owner(&u).await.as_deref(), Some(new.as_str()));
     assert_eq!(unregister(&new).await, 1);
     assert_eq!(f.owner(&u).await, None);
+}
+
+/// Layout conns: unregister_conn.lua answers the number of fields it deleted: a
+/// connection that moved to another server is not ours, so 0; the user's other
+/// connection, on a third server, is untouched either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unregister_answers_the_number_of_entries_it_deleted_conns_layout() {
+    let f = Fixture::new(Layout::Conns);
+    let (old, new, other) = (server("gw-old#1"), server("gw-new#1"), server("gw-other#1"));
+    let r = &f.registry;
+    r.register_connection(&f.conn, b"moved-user", "tab", &old)
+        .await
+        .unwrap();
+    r.register_connection(&f.conn, b"moved-user", "tab", &new)
+        .await
+        .unwrap();
+    r.register_connection(&f.conn, b"moved-user", "phone", &other)
+        .await
+        .unwrap();
+    let script = redis::Script::new(include_str!("../protocol/unregister_conn.lua"));
+    let unregister = |s: &ServerId| {
+        let mut call = script.prepare_invoke();
+        call.key(f.keys.server_fence(s))
+            .key(f.keys.server_refusals(s))
+            .key(f.keys.server_users(s))
+            .key(f.keys.user_conns(b"moved-user"))
+            .arg("moved-user")
+            .arg(s.as_str())
+            .arg("tab");
+        let mut conn = f.conn.clone();
+        async move { call.invoke_async::<i64>(&mut conn).await.unwrap() }
+    };
+    assert_eq!(unregister(&old).await, 0, "nothing of gw-old was deleted");
+    assert_eq!(
+        r.connections(&f.conn, b"moved-user").await.unwrap(),
+        vec![
+            ("phone".to_owned(), other.as_str().to_owned()),
+            ("tab".to_owned(), new.as_str().to_owned()),
+        ]
+    );
+    assert_eq!(unregister(&new).await, 1);
+    assert_eq!(
+        r.connections(&f.conn, b"moved-user").await.unwrap(),
+        vec![("phone".to_owned(), other.as_str().to_owned())]
+    );
 }
 
 /// Out of memory (maxmemory reached, noeviction), a fenced server is still told FENCED:
@@ -568,6 +684,72 @@ async fn route_answers_on_a_read_only_replica_with_or_without_evalsha_ro() {
         assert_eq!(
             registry.route(&as_cs, b"u1").await.unwrap().as_deref(),
             Some("gw-live#1")
+        );
+    }
+}
+
+/// Layout conns: route_user.lua only reads (`no-writes`): on a read-only replica it
+/// answers as EVALSHA_RO, and for an ACL user without EVALSHA_RO as plain EVALSHA, with
+/// every live server of the user's connections (a fenced one left out).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn route_user_answers_on_a_read_only_replica_with_or_without_evalsha_ro() {
+    let f = Fixture::new(Layout::Conns);
+    let (a, b, fenced) = (server("gw-a#1"), server("gw-b#1"), server("gw-fenced#1"));
+    for (connection, s) in [("phone", &a), ("laptop", &b), ("tab", &fenced)] {
+        f.registry.heartbeat(&f.conn, s, 600_000).await.unwrap();
+        f.registry
+            .register_connection(&f.conn, b"u1", connection, s)
+            .await
+            .unwrap();
+    }
+    fence::record(&f.conn, &f.keys, &fenced, None, 600_000)
+        .await
+        .unwrap();
+    let port = f.redis.port().to_string();
+    let replica = redis_with(&["--replicaof", "127.0.0.1", &port]);
+    let on_replica =
+        registry_janitor::conn::shared(&registry_janitor::conn::client(&replica.url()).unwrap())
+            .unwrap();
+    let expected = vec![a.as_str().to_owned(), b.as_str().to_owned()];
+    let mut copied = false;
+    for _ in 0..200 {
+        // The fence is the last write: once the replica has it, it has the rest.
+        let has_fence: bool = redis::cmd("EXISTS")
+            .arg(f.keys.server_fence(&fenced))
+            .query_async(&mut on_replica.clone())
+            .await
+            .unwrap_or(false);
+        if has_fence && f.registry.route_user(&on_replica, b"u1").await.is_ok() {
+            copied = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(copied, "the replica never had the entries");
+    assert_eq!(
+        f.registry.route_user(&on_replica, b"u1").await.unwrap(),
+        expected
+    );
+    // A user allowed EVALSHA but not EVALSHA_RO.
+    let p = f.settings.key_prefix.clone();
+    let rules = format!(
+        "cs reset on >pw ~{p}user:* ~{p}server:* -@all +ping +select +evalsha +eval +script|load +exists +hgetall"
+    );
+    let mut acl = redis::cmd("ACL");
+    acl.arg("SETUSER");
+    for rule in rules.split(' ') {
+        acl.arg(rule);
+    }
+    let _: () = acl.query_async(&mut on_replica.clone()).await.unwrap();
+    let as_cs = registry_janitor::conn::shared(
+        &registry_janitor::conn::client(&format!("redis://cs:pw@127.0.0.1:{}", replica.port()))
+            .unwrap(),
+    )
+    .unwrap();
+    for _ in 0..2 {
+        assert_eq!(
+            f.registry.route_user(&as_cs, b"u1").await.unwrap(),
+            expected
         );
     }
 }

@@ -142,6 +142,15 @@ async fn members_set_aside_are_settled(layout: Layout) {
     f.reconnect(&gone, &other).await;
     let r = Reconciler::new(&f.settings, Metrics::new()).await.unwrap();
     assert_eq!(r.run_once().await.unwrap().sweep.members_removed, 2);
+    // A server that leaves `servers` now (a clean shutdown) is swept no more: its set
+    // aside members go with the key's expiry, not never.
+    let ttl: i64 = f
+        .query(redis::cmd("PTTL").arg(f.keys.server_moved(&s)))
+        .await;
+    assert!(
+        ttl > 0 && ttl <= 7 * 24 * 3_600_000,
+        "members set aside without an expiry: PTTL {ttl}"
+    );
     // `back` finishes a registration on `s` (SADD first, long ago; the entry now).
     write_forward(&f, &back, &s).await;
     tokio::time::sleep(Duration::from_millis(400)).await;
@@ -221,11 +230,19 @@ async fn a_cleanup_finishes_while_redis_is_out_of_memory() {
 /// cleanup is complete, never a silent skip of members.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cleanup_is_complete_where_info_is_refused() {
-    let f = Fixture::on(
-        redis_with(&["--rename-command", "INFO", ""]),
-        Layout::Hash,
-        |s| s.chunk_size = 50,
-    );
+    cleanup_where_info_is_refused(Layout::Hash).await;
+}
+
+/// Layout conns: the users hold several connections on several servers ([`Devices`]).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cleanup_is_complete_where_info_is_refused_conns_layout() {
+    cleanup_where_info_is_refused(Layout::Conns).await;
+}
+
+async fn cleanup_where_info_is_refused(layout: Layout) {
+    let f = Fixture::on(redis_with(&["--rename-command", "INFO", ""]), layout, |s| {
+        s.chunk_size = 50
+    });
     let refused: redis::RedisResult<String> = redis::cmd("INFO")
         .arg("server")
         .query_async(&mut f.conn.clone())
@@ -234,8 +251,15 @@ async fn the_cleanup_is_complete_where_info_is_refused() {
     let (dead, live) = (server("gw-dead#1"), server("gw-live#1"));
     f.seed(&dead, 2_000).await;
     f.seed(&live, 100).await;
+    let devices = match layout {
+        Layout::Conns => {
+            let laptops = server("gw-laptops#1");
+            Some(Devices::add(&f.registry, &f.conn, &dead, [&live, &laptops], 2_000, 2_000).await)
+        }
+        _ => None,
+    };
     for n in 0..100 {
-        f.reconnect(&user(&dead, n), &live).await;
+        f.reconnect(&entry(layout, &dead, n), &live).await;
     }
     let worker = spawn_worker(&f.settings);
     f.kill(&dead).await;
@@ -243,7 +267,20 @@ async fn the_cleanup_is_complete_where_info_is_refused() {
     assert_eq!(f.still_pointing(&dead, 2_000).await, 0);
     assert_eq!(f.still_pointing(&live, 100).await, 100);
     for n in 0..100 {
-        assert_eq!(f.owner(&user(&dead, n)).await.as_deref(), Some("gw-live#1"));
+        assert_eq!(
+            f.owner(&entry(layout, &dead, n)).await.as_deref(),
+            Some("gw-live#1")
+        );
+    }
+    if let Some(devices) = devices {
+        let moved: Vec<_> = (0..100)
+            .map(|n| (entry(layout, &dead, n), live.clone()))
+            .collect();
+        devices.assert_end_state(&f.registry, &f.conn, &moved).await;
+        assert_eq!(
+            connections_naming(&[f.redis.url()], &f.keys, &dead).await,
+            vec![]
+        );
     }
     worker.stop().await;
 }
@@ -252,10 +289,19 @@ async fn the_cleanup_is_complete_where_info_is_refused() {
 /// progress record (nothing would ever remove it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_failure_note_leaves_no_key_behind() {
-    let f = Fixture::new(Layout::Hash);
+    late_failure_note(Layout::Hash).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_failure_note_leaves_no_key_behind_conns_layout() {
+    late_failure_note(Layout::Conns).await;
+}
+
+async fn late_failure_note(layout: Layout) {
+    let f = Fixture::new(layout);
     let dead = server("gw-dead#1");
     f.seed(&dead, 50).await;
-    let cleaner = Cleaner::new(f.keys.clone(), Layout::Hash, 1000, 1);
+    let cleaner = Cleaner::new(f.keys.clone(), layout, 1000, 1);
     cleaner
         .record_failure(&f.conn, &dead, "while under way")
         .await;
@@ -277,6 +323,7 @@ async fn a_late_failure_note_leaves_no_key_behind() {
         )
         .await;
     assert_eq!(left, 0, "a janitor key outlived the cleanup");
+    assert_eq!(f.still_pointing(&dead, 50).await, 0);
 }
 
 /// A walk that starts after S was finished (members a zombie added), then is abandoned,
@@ -284,10 +331,20 @@ async fn a_late_failure_note_leaves_no_key_behind() {
 /// is never left to nobody.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_walk_started_after_the_finish_keeps_the_server_reported() {
-    let f = Fixture::new(Layout::Hash);
+    walk_started_after_the_finish(Layout::Hash).await;
+}
+
+/// Layout conns: the zombie's members are connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_walk_started_after_the_finish_keeps_the_server_reported_conns_layout() {
+    walk_started_after_the_finish(Layout::Conns).await;
+}
+
+async fn walk_started_after_the_finish(layout: Layout) {
+    let f = Fixture::new(layout);
     let dead = server("gw-dead#1");
     f.seed(&dead, 20).await;
-    let cleaner = Cleaner::new(f.keys.clone(), Layout::Hash, 2, 1);
+    let cleaner = Cleaner::new(f.keys.clone(), layout, 2, 1);
     cleaner
         .clean(&f.conn, &dead, &CancellationToken::new(), |_| {})
         .await
@@ -309,7 +366,11 @@ async fn a_walk_started_after_the_finish_keeps_the_server_reported() {
     for n in 0..300 {
         // A writer of the original protocol: a fenced S's own writes would be refused.
         f.registry
-            .register_legacy(&f.conn, format!("zombie-{n}").as_bytes(), &dead)
+            .register_legacy(
+                &f.conn,
+                &as_entry(layout, format!("zombie-{n}").as_bytes()),
+                &dead,
+            )
             .await
             .unwrap();
     }

@@ -275,6 +275,16 @@ async fn each_role_runs_the_flow(layout: Layout) {
         .output()
         .unwrap();
     assert!(out.status.success(), "operator status: {:?}", text(&out));
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(status["format"]["in_use"], 1, "{status}");
+    // The data format: the operator reads it, and sets it (to the live worker's format).
+    for args in [&["format", "status"][..], &["format", "set", "1"][..]] {
+        let out = janitor(&as_role("janitor-operator"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "operator {args:?}: {:?}", text(&out));
+    }
     let out = janitor(&as_role("janitor-operator"))
         .args(["dead-letters", "list"])
         .output()

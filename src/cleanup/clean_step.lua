@@ -32,13 +32,25 @@
 -- The cursor fields are `walk_cursor` and `walk_run_id`: a cursor of the `walking` set,
 -- never of `users`.
 --
+-- The data format (format/mod.rs): before anything else, the step checks that the
+-- worker's build works under the format in use (KEYS[8], absent: 1) and under the format
+-- the progress record was written under (its field `format`, absent: 1), and refuses
+-- otherwise with the error code FORMAT, writing nothing: a worker older than the format
+-- in use makes no step once the format moved on (the check and the step are one
+-- script). Every format of a build's range walks the same way so far; a release that
+-- adds a format branches here on `in_use` (what it writes) and `stamp` (what it reads).
+-- A step that writes the progress record stamps it with the format in use when the
+-- record says another (a record without the field is in format 1).
+--
 -- KEYS[1] server:{S}:users   KEYS[2] server:{S}:walking   KEYS[3] server:{S}:moved
 -- KEYS[4] server:{S}:cleanup KEYS[5] servers   KEYS[6] registry (layout hash)
--- KEYS[7] events stream   KEYS[8] the evictions stream (absent when switched off)
+-- KEYS[7] events stream   KEYS[8] janitor:{format}:in_use
+-- KEYS[9] the evictions stream (absent when switched off)
 -- ARGV[1] server id   ARGV[2] chunk size   ARGV[3] 'hash', 'keys' or 'conns'
 -- ARGV[4] forward key prefix for layouts keys and conns (<key_prefix>user:)   ARGV[5] 'scan' or 'pop'
 -- ARGV[6] consumer group   ARGV[7] entry id to acknowledge when clean ('' for none)
 -- ARGV[8] the event's event_id, for the evictions stream ('' for none)
+-- ARGV[9] the worker's format   ARGV[10] the oldest format it works under
 -- Returns {done (0/1), members handled, entries deleted, entries kept, mode used,
 --          evictions entries written, this script's execution time in microseconds}
 -- The execution time (TIME at the start and at the end) lets the worker tell how long
@@ -67,8 +79,39 @@ local progress_key, servers_key, registry_key, events_key = KEYS[4], KEYS[5], KE
 local server, count, user_prefix = ARGV[1], tonumber(ARGV[2]), ARGV[4]
 local layout = ARGV[3]
 local mode = ARGV[5]
-local evictions, event_id = KEYS[8], ARGV[8] or ''
+local evictions, event_id = KEYS[9], ARGV[8] or ''
 local announced = 0
+
+local build_format, build_min = tonumber(ARGV[9]), tonumber(ARGV[10])
+local in_use_value = redis.call('GET', KEYS[8])
+local in_use = tonumber(in_use_value or '1')
+if not in_use then
+  return redis.error_reply('ERR ' .. KEYS[8] .. ' holds ' .. in_use_value .. ', not a format number')
+end
+-- The format the record is in: a record without the field (or not written yet) is in
+-- format 1; a record not written yet is never refused.
+local stamp = 1
+local recorded = redis.call('EXISTS', progress_key) == 1
+if recorded then
+  stamp = tonumber(redis.call('HGET', progress_key, 'format') or '1') or 0
+end
+local works = 'this worker works under formats ' .. build_min .. ' to ' .. build_format
+if in_use > build_format or in_use < build_min then
+  return redis.error_reply('FORMAT format ' .. in_use .. ' is in use; ' .. works)
+end
+if recorded and (stamp > build_format or stamp < build_min) then
+  return redis.error_reply('FORMAT the cleanup of ' .. server .. ' was written under format '
+    .. stamp .. '; ' .. works)
+end
+-- Stamps the progress record with the format in use; called only where the step writes
+-- the record anyway.
+local function stamp_format()
+  if stamp ~= in_use then
+    redis.call('HSET', progress_key, 'format', in_use)
+    stamp = in_use
+  end
+end
+
 local check = check_evictions_stream(evictions)
 if check then return check end
 
@@ -102,6 +145,7 @@ local function check_delete(members)
   -- that out of memory they are let through, and never on a finished cleanup's record.
   if deleted > 0 then redis.call('HINCRBY', progress_key, 'evicted', deleted) end
   if kept > 0 then redis.call('HINCRBY', progress_key, 'kept', kept) end
+  if deleted > 0 or kept > 0 then stamp_format() end
   return deleted, kept
 end
 
@@ -154,6 +198,7 @@ else
     redis.call('HSET', progress_key, 'walk_cursor', scan[1], 'walk_run_id', run_id)
   end
   redis.call('HINCRBY', progress_key, 'scanned', #members)
+  stamp_format()
 end
 local deleted, kept = check_delete(members)
 

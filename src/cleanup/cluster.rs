@@ -220,8 +220,21 @@ impl Cleaner {
         errors: &prometheus::IntCounter,
         stop: &CancellationToken,
     ) -> Result<(Step, Advance)> {
+        // The format in use lives in another slot than {S}: read before each chunk, and
+        // passed to the chunk's scripts, which check the format the progress record was
+        // written under and stamp it with this one.
+        let in_use = retrying_counted("reading the data format", stop, Some(errors), || {
+            crate::format::in_use(conn, &self.keys)
+        })
+        .await?;
+        if !self.build.works_under(in_use) {
+            return Err(Error::Format(format!(
+                "format {in_use} is in use; this worker works under formats {} to {}",
+                self.build.min, self.build.format
+            )));
+        }
         let chunk = retrying_counted("cleanup scan", stop, Some(errors), || {
-            self.cluster_scan(conn, server, *epoch)
+            self.cluster_scan(conn, server, *epoch, in_use)
         })
         .await?;
         let members = &chunk.members;
@@ -251,7 +264,14 @@ impl Cleaner {
         }
         let saw_errors = errors.get() > 0;
         let advanced = retrying_counted("cleanup advance", stop, Some(errors), || {
-            self.cluster_advance(conn, server, &chunk, (deleted, kept), *epoch, saw_errors)
+            self.cluster_advance(
+                conn,
+                server,
+                &chunk,
+                (deleted, kept),
+                (*epoch, in_use),
+                saw_errors,
+            )
         })
         .await?;
         let step = Step {
@@ -384,14 +404,23 @@ impl Cleaner {
         .await
     }
 
-    async fn cluster_scan(&self, conn: &RedisConn, server: &ServerId, epoch: u64) -> Result<Chunk> {
+    async fn cluster_scan(
+        &self,
+        conn: &RedisConn,
+        server: &ServerId,
+        epoch: u64,
+        in_use: u32,
+    ) -> Result<Chunk> {
         let mut call = CLUSTER_SCAN.prepare_invoke();
         call.key(self.keys.server_users(server))
             .key(self.keys.server_walking(server))
             .key(self.keys.server_cleanup(server))
             .key(self.keys.server_moved(server))
             .arg(self.chunk_size)
-            .arg(epoch);
+            .arg(epoch)
+            .arg(self.build.format)
+            .arg(self.build.min)
+            .arg(in_use);
         Ok(call.invoke_async(&mut conn.clone()).await?)
     }
 
@@ -401,7 +430,7 @@ impl Cleaner {
         server: &ServerId,
         chunk: &Chunk,
         (deleted, kept): (u64, u64),
-        epoch: u64,
+        (epoch, in_use): (u64, u32),
         saw_errors: bool,
     ) -> Result<Advance> {
         let mut call = CLUSTER_ADVANCE.prepare_invoke();
@@ -416,7 +445,10 @@ impl Cleaner {
             .arg(epoch)
             .arg(if saw_errors { "1" } else { "0" })
             .arg(deleted)
-            .arg(kept);
+            .arg(kept)
+            .arg(self.build.format)
+            .arg(self.build.min)
+            .arg(in_use);
         Ok(call.invoke_async(&mut conn.clone()).await?)
     }
 }

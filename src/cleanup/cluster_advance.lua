@@ -20,8 +20,31 @@
 -- ARGV[7], ARGV[8] the entries the chunk deleted and kept, added to the cleanup's totals
 -- (`evicted`, `kept` in the progress hash) whatever the answer: a chunk raced by a
 -- duplicate worker deleted other users than the winner's.
+-- ARGV[9] the worker's format  ARGV[10] the oldest format it works under
+-- ARGV[11] the format in use, as the worker read it before this chunk
 -- Returns {'done', 'again', 'advanced' or 'raced', total deleted, total kept}: the totals
 -- of the cleanup so far, for server.cleaned (before the progress hash goes, on 'done').
+--
+-- The data format (format/mod.rs), as in cluster_scan.lua: a chunk whose progress record
+-- was written meanwhile under a format the worker's build does not work under (a newer
+-- worker's steps, once the format moved on) is refused with the error code FORMAT before
+-- any write; a cursor this script moves is stamped with the format in use.
+
+-- The format the record is in: a record without the field (or not written yet) is in
+-- format 1; a record not written yet is never refused.
+local in_use = tonumber(ARGV[11])
+local stamp = 1
+local recorded = redis.call('EXISTS', KEYS[3]) == 1
+if recorded then
+  stamp = tonumber(redis.call('HGET', KEYS[3], 'format') or '1') or 0
+end
+if recorded and (stamp > tonumber(ARGV[9]) or stamp < tonumber(ARGV[10])) then
+  return redis.error_reply('FORMAT the cleanup was written under format ' .. stamp
+    .. '; this worker works under formats ' .. ARGV[10] .. ' to ' .. ARGV[9])
+end
+local function stamp_format()
+  if stamp ~= in_use then redis.call('HSET', KEYS[3], 'format', in_use) end
+end
 
 local function counted(answer)
   local totals = redis.call('HMGET', KEYS[3], 'evicted', 'kept')
@@ -57,6 +80,7 @@ if ARGV[3] == '0' then
     redis.call('HDEL', KEYS[3], 'walk_cursor')
     redis.call('HSET', KEYS[3], 'scanned', 0, 'epoch', ARGV[5], 'rewalks', rewalks + 1)
     redis.call('HINCRBY', KEYS[3], 'walk', 1)
+    stamp_format()
     return counted('again')
   end
   redis.call('UNLINK', KEYS[2])
@@ -70,4 +94,5 @@ if ARGV[3] == '0' then
 end
 redis.call('HSET', KEYS[3], 'walk_cursor', ARGV[3])
 redis.call('HINCRBY', KEYS[3], 'scanned', ARGV[4])
+stamp_format()
 return counted('advanced')

@@ -27,11 +27,36 @@
 -- Moves no cursor: the cursor moves only after the chunk's entries are deleted
 -- (cluster_advance.lua), so a crash in between just repeats the chunk.
 --
+-- The data format (format/mod.rs): the format in use lives in another slot, so the
+-- worker reads it before each chunk (ARGV[5]) and stops when its build does not work
+-- under it; this script refuses, with the error code FORMAT and before any write, a
+-- chunk whose progress record was written under a format the worker's build does not
+-- work under (its field `format`, absent: 1), as a newer worker's steps leave it once the
+-- format moved on. A record this script writes is stamped with the format in use.
+--
 -- KEYS[1] server:{S}:users  KEYS[2] server:{S}:walking  KEYS[3] server:{S}:cleanup
 -- KEYS[4] server:{S}:moved
 -- ARGV[1] SSCAN COUNT  ARGV[2] the cluster's current_epoch as the worker last read it
+-- ARGV[3] the worker's format  ARGV[4] the oldest format it works under
+-- ARGV[5] the format in use, as the worker read it before this chunk
 -- Returns {walk number, cursor used, next cursor, members};
 -- {'', '', '0', {}} when there is nothing to walk
+
+-- The format the record is in: a record without the field (or not written yet) is in
+-- format 1; a record not written yet is never refused.
+local in_use = tonumber(ARGV[5])
+local stamp = 1
+local recorded = redis.call('EXISTS', KEYS[3]) == 1
+if recorded then
+  stamp = tonumber(redis.call('HGET', KEYS[3], 'format') or '1') or 0
+end
+if recorded and (stamp > tonumber(ARGV[3]) or stamp < tonumber(ARGV[4])) then
+  return redis.error_reply('FORMAT the cleanup was written under format ' .. stamp
+    .. '; this worker works under formats ' .. ARGV[4] .. ' to ' .. ARGV[3])
+end
+local function stamp_format()
+  if stamp ~= in_use then redis.call('HSET', KEYS[3], 'format', in_use) end
+end
 
 local info = redis.pcall('INFO', 'server')
 local run_id = type(info) == 'string' and string.match(info, 'run_id:(%x+)')
@@ -53,6 +78,7 @@ if redis.call('EXISTS', KEYS[2]) == 0 then
   redis.call('HDEL', KEYS[3], 'walk_cursor', 'rewalks')
   redis.call('HSET', KEYS[3], 'walk_run_id', run_id, 'epoch', ARGV[2], 'scanned', 0)
   redis.call('HINCRBY', KEYS[3], 'walk', 1)
+  stamp_format()
 end
 local progress = redis.call('HMGET', KEYS[3], 'walk_cursor', 'walk_run_id', 'epoch')
 local cursor = progress[1] or '0'
@@ -64,6 +90,7 @@ if progress[2] ~= run_id then
   redis.call('HSET', KEYS[3], 'walk_run_id', run_id, 'scanned', 0)
   redis.call('HINCRBY', KEYS[3], 'walk', 1)
   if not progress[3] then redis.call('HSET', KEYS[3], 'epoch', 'unknown') end
+  stamp_format()
 end
 local walk = redis.call('HGET', KEYS[3], 'walk')
 local scan = redis.call('SSCAN', KEYS[2], cursor, 'COUNT', ARGV[1])

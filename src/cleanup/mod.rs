@@ -220,6 +220,10 @@ pub struct Cleaner {
     /// The process's window of steps in flight, shared by its cleanups (single node;
     /// none when `latency_target_ms` is 0). See [`limiter`].
     limiter: Option<Arc<limiter::Limiter>>,
+    /// The data formats this cleaner works under: each step is refused (error
+    /// [`Error::Format`]) when the format in use, or the one its progress record was
+    /// written under, is not one of them. See [`crate::format`].
+    build: crate::format::Build,
 }
 
 /// The fence's lifetime when none is set: the `fence_ttl_ms` default, 7 days.
@@ -241,7 +245,14 @@ impl Cleaner {
             unknown_verdicts: None,
             errors: None,
             limiter: None,
+            build: crate::format::Build::compiled(),
         }
+    }
+
+    /// Works under the formats of `build` (default: this build as compiled).
+    pub fn format(mut self, build: crate::format::Build) -> Self {
+        self.build = build;
+        self
     }
 
     /// Sends single-node steps through `limiter` (shared by every clone of this cleaner,

@@ -128,7 +128,8 @@ impl Cleaner {
             .key(self.keys.server_cleanup(server))
             .key(self.keys.servers())
             .key(self.keys.registry())
-            .key(self.keys.events());
+            .key(self.keys.events())
+            .key(self.keys.format_in_use());
         if let Some(stream) = self.keys.evictions() {
             call.key(stream);
         }
@@ -142,7 +143,9 @@ impl Cleaner {
             })
             .arg(crate::keys::GROUP)
             .arg(entry.unwrap_or(""))
-            .arg(event_id);
+            .arg(event_id)
+            .arg(self.build.format)
+            .arg(self.build.min);
         let reply: StepReply = call.invoke_async(&mut conn.clone()).await?;
         Ok(Step {
             done: reply.done,

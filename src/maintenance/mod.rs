@@ -53,8 +53,15 @@ pub async fn expire_consumers(
     Ok(call.invoke_async(&mut conn.clone()).await?)
 }
 
-/// Runs both jobs every `maintenance_interval_ms` until `shutdown`.
-pub async fn run(conn: RedisConn, keys: Keys, settings: Settings, shutdown: CancellationToken) {
+/// Runs both jobs every `maintenance_interval_ms` until `shutdown`; skips a round while
+/// the worker's build does not work under the data format in use (it writes nothing).
+pub async fn run(
+    conn: RedisConn,
+    keys: Keys,
+    settings: Settings,
+    format: std::sync::Arc<crate::format::Gate>,
+    shutdown: CancellationToken,
+) {
     let every = Duration::from_millis(settings.maintenance_interval_ms);
     let retention = Duration::from_millis(settings.retention_ms);
     let expiry = Duration::from_millis(settings.consumer_expiry_ms);
@@ -68,6 +75,9 @@ pub async fn run(conn: RedisConn, keys: Keys, settings: Settings, shutdown: Canc
         tokio::select! {
             _ = tokio::time::sleep(every + jitter) => {}
             _ = shutdown.cancelled() => return,
+        }
+        if !format.works() {
+            continue;
         }
         match trim_acknowledged(&conn, &keys, retention).await {
             Ok(n) => {

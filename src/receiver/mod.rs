@@ -123,6 +123,7 @@ impl Receiver {
             keys: self.inner.keys.clone(),
             consumer: None,
             failing: self.inner.watch.failing.clone(),
+            format: None,
         }
     }
 

@@ -235,6 +235,7 @@ impl Reconciler {
             keys: self.keys.clone(),
             consumer: None,
             failing: self.failing.clone(),
+            format: None,
         }
     }
 

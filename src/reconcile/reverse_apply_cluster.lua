@@ -23,6 +23,7 @@
 -- the rest: members due for settling whose entry did not name S: dropped
 -- Returns the members set aside
 
+local MOVED_TTL_MS = 604800000 -- 7 days
 local time = redis.call('TIME')
 local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 local aside_end = 3 + tonumber(ARGV[2])
@@ -35,6 +36,9 @@ for i = 4, aside_end do
     removed = removed + 1
   end
 end
+-- The set outlives no server for long: one that leaves `servers` (a clean shutdown) is
+-- swept no more, so its set aside members would never settle.
+if removed > 0 then redis.call('PEXPIRE', KEYS[2], MOVED_TTL_MS) end
 local due = now_ms - tonumber(ARGV[1])
 for i = aside_end + 1, #ARGV do
   local score = redis.call('ZSCORE', KEYS[2], ARGV[i])

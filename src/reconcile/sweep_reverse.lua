@@ -53,6 +53,9 @@ for first = 1, #members, BATCH do
     local out = {}
     for i = 2, #moved, 2 do out[#out + 1] = moved[i] end
     removed = removed + redis.call('SREM', KEYS[1], unpack(out))
+    -- The set outlives no server for long: one that leaves `servers` (a clean shutdown)
+    -- is swept no more, so its set aside members would never settle.
+    redis.call('PEXPIRE', KEYS[3], 604800000) -- 7 days
   end
 end
 return {r[1], #members, removed}

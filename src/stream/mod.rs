@@ -57,6 +57,28 @@ pub async fn hand_off(
     Ok(handed.0)
 }
 
+/// Up to `count` entries pending to `consumer`, oldest first: (id, idle ms).
+pub async fn pending_of(
+    conn: &RedisConn,
+    keys: &Keys,
+    consumer: &str,
+    count: usize,
+) -> Result<Vec<(String, u64)>> {
+    let rows: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+        .arg(keys.events())
+        .arg(GROUP)
+        .arg("-")
+        .arg("+")
+        .arg(count)
+        .arg(consumer)
+        .query_async(&mut conn.clone())
+        .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(id, _, idle, _)| (id, idle))
+        .collect())
+}
+
 /// hand_off.lua's reply: the delivery count left, or -1 when the consumer no longer owns
 /// the entry (`None`).
 struct HandedOff(Option<u64>);

@@ -212,8 +212,9 @@ impl Worker {
 
     /// Cleans the server of a `server.dead` entry, keeping the entry's idle time low while
     /// it runs; counts and logs the outcome. The entry is acknowledged by the cleanup
-    /// itself (see [`crate::cleanup::Cleaner::clean_event`]), handed off at shutdown, or left pending
-    /// after a failure (with the error noted for its dead letter, should it come to that).
+    /// itself (see [`crate::cleanup::Cleaner::clean_event`]), handed off at shutdown or
+    /// when a step is refused by the data format, or left pending after a failure (with
+    /// the error noted for its dead letter, should it come to that).
     pub(super) async fn clean(
         &self,
         entry: &Entry,
@@ -264,6 +265,16 @@ impl Worker {
                     .with_label_values(&[outcome::ABANDONED])
                     .inc();
                 self.hand_off(&entry.id).await;
+            }
+            Err(e @ Error::Format(_)) if !self.works_under_format_now().await => {
+                // Not a failure: a worker that works under the format in use takes over
+                // at once, from the stored progress.
+                metrics
+                    .events
+                    .with_label_values(&[outcome::ABANDONED])
+                    .inc();
+                warn!(error = %e, "cleanup stopped: this worker's build does not work under the data format in use; handing it over");
+                self.hand_back(&entry.id).await;
             }
             Err(e) => {
                 metrics.events.with_label_values(&[outcome::FAILED]).inc();

@@ -17,8 +17,14 @@
 //!   on the way.
 //! - Shutdown: the read loop stops at once (a blocked read returns within `block_ms`);
 //!   cleanups in hand run on for up to `drain_timeout_ms`, then stop between two steps.
+//! - The data format (`format.rs`, [`crate::format`]): the worker announces its build's
+//!   format every `claim_min_idle_ms / 3` and reads the format in use; while its build
+//!   does not work under it, it takes no new events and no takeovers, hands back what it
+//!   holds and is not ready. It moves the format forward to its own once no worker of an
+//!   older format is announced.
 
 mod entry;
+mod format;
 
 use std::{
     sync::Arc,
@@ -63,6 +69,11 @@ pub struct Worker {
     health: Arc<Health>,
     /// Work failing on a transient Redis state right now; read by `/readyz`.
     failing: Arc<Failing>,
+    /// The data format in use as this worker knows it: it takes no work while its build
+    /// does not work under it (see [`crate::format`] and `format.rs`).
+    format: Arc<crate::format::Gate>,
+    /// The older worker that last kept the format from moving forward, for the log.
+    format_older: std::sync::Mutex<Option<(String, u32)>>,
 }
 
 impl Worker {
@@ -71,6 +82,7 @@ impl Worker {
     pub async fn new(settings: &Settings, metrics: Metrics) -> Result<Self> {
         let target = conn::target_for(settings)?;
         let keys = Keys::for_settings(settings);
+        let build = crate::format::Build::current()?;
         Ok(Worker {
             cleaner: Cleaner::new(
                 keys.clone(),
@@ -83,6 +95,7 @@ impl Worker {
                 settings.fence_unknown_ttl_ms,
                 metrics.unknown_server_verdicts.clone(),
             )
+            .format(build)
             .counting_errors(metrics.redis_errors.clone())
             // One window for the whole process: every cleanup it runs shares it.
             .limited(crate::cleanup::limiter::Limiter::for_target(
@@ -93,6 +106,8 @@ impl Worker {
             )),
             health: Health::new(Duration::from_secs(60)),
             failing: Failing::new(),
+            format: crate::format::Gate::new(build),
+            format_older: Default::default(),
             guard: crate::guard::Guard::new(keys.clone(), settings),
             keys,
             consumer: settings.consumer_name(),
@@ -119,6 +134,7 @@ impl Worker {
             keys: self.keys.clone(),
             consumer: Some(self.consumer.clone()),
             failing: self.failing.clone(),
+            format: Some(self.format.clone()),
         }
     }
 
@@ -176,11 +192,24 @@ impl Worker {
             other => other?,
         }
 
+        match this.first_format_round(&shutdown).await {
+            Err(Error::Cancelled) => return Ok(()),
+            other => other?,
+        }
+        // The format round runs until the cleanups in hand are drained: their steps are
+        // this worker's, and its announcement must stand while any is made.
+        let stop_format = CancellationToken::new();
+        let format_rounds = tokio::spawn(
+            this.clone()
+                .format_upkeep(stop_format.clone(), shutdown.clone()),
+        );
+
         let stop_upkeep = shutdown.child_token();
         let upkeep = tokio::spawn(maintenance::run(
             this.conn.clone(),
             this.keys.clone(),
             this.settings.clone(),
+            this.format.clone(),
             stop_upkeep.clone(),
         ));
         let sampler = tokio::spawn(this.clone().sample_gauges(stop_upkeep.clone()));
@@ -194,6 +223,9 @@ impl Worker {
         let _ = sampler.await;
         let _ = guard.await;
         this.drain(tasks, abandon).await;
+        stop_format.cancel();
+        let _ = format_rounds.await;
+        this.withdraw_format().await;
         info!(consumer = %this.consumer, "worker stopped");
         result
     }
@@ -220,6 +252,14 @@ impl Worker {
         loop {
             self.health.beat();
             while tasks.try_join_next().is_some() {}
+            // A build that does not work under the format in use takes no new events and
+            // no takeovers; what it holds goes back (see format.rs).
+            if !self.format.works() {
+                if !self.without_format(shutdown).await {
+                    return Ok(());
+                }
+                continue;
+            }
             let Some(mut held) = self.free_permits(permits, shutdown).await else {
                 return Ok(());
             };
@@ -373,6 +413,13 @@ impl Worker {
     async fn guard_upkeep(self: Arc<Self>, stop: CancellationToken) {
         use crate::metrics::guard_decision;
         loop {
+            // A worker that does not work under the format in use writes nothing.
+            if !self.format.works() {
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
+                    _ = stop.cancelled() => return,
+                }
+            }
             match self.guard.upkeep(&self.conn).await {
                 Ok(round) => {
                     self.metrics.guard_held.set(round.held as i64);

@@ -858,3 +858,212 @@ pub fn assert_announced_exactly_once(
         seen.len()
     );
 }
+
+/// Layout `conns`: users with several connections on several servers, the way phones,
+/// laptops and tabs spread. Built on the users `seed` put on `dead` (`user(dead, n)`,
+/// each with its connection `c<n>` there); the first `with_more` of them get more
+/// connections, by `n % 4`:
+///
+/// | n % 4 | besides `c<n>` on `dead` | after `dead`'s cleanup |
+/// |---|---|---|
+/// | 0 | nothing | no key |
+/// | 1 | `d<n>` on `dead` | no key |
+/// | 2 | `p<n>` on `live[0]` | `p<n>` |
+/// | 3 | `d<n>` on `dead`, `p<n>` on `live[0]`, `t<n>` on `live[1]` | `p<n>`, `t<n>` |
+///
+/// The oracle of the conns variants: [`Devices::assert_end_state`] checks every user's
+/// Hash against it.
+pub struct Devices {
+    pub dead: ServerId,
+    /// Every user's connections as seeded: (connection id, server), sorted.
+    pub by_user: std::collections::BTreeMap<Vec<u8>, Vec<(String, ServerId)>>,
+}
+
+impl Devices {
+    /// Registers the connections of the table above (the servers in `live` heartbeat
+    /// for 10 minutes, so that lookups route to them however long the test runs).
+    pub async fn add(
+        registry: &Registry,
+        conn: &RedisConn,
+        dead: &ServerId,
+        live: [&ServerId; 2],
+        users: usize,
+        with_more: usize,
+    ) -> Self {
+        assert_eq!(registry.layout(), Layout::Conns);
+        for s in live {
+            registry.heartbeat(conn, s, 600_000).await.unwrap();
+        }
+        let mut by_user = std::collections::BTreeMap::new();
+        let mut on: std::collections::HashMap<&ServerId, Vec<Vec<u8>>> = Default::default();
+        for n in 0..users {
+            let mut connections = vec![(format!("c{n}"), dead.clone())];
+            if n < with_more {
+                let more: &[(&str, &ServerId)] = match n % 4 {
+                    0 => &[],
+                    1 => &[("d", dead)],
+                    2 => &[("p", live[0])],
+                    _ => &[("d", dead), ("p", live[0]), ("t", live[1])],
+                };
+                for (kind, s) in more {
+                    let id = format!("{kind}{n}");
+                    let member = registry_janitor::keys::conn_member(&id, &user(dead, n));
+                    on.entry(*s).or_default().push(member);
+                    connections.push((id, (*s).clone()));
+                }
+            }
+            connections.sort();
+            by_user.insert(user(dead, n), connections);
+        }
+        for (s, members) in &on {
+            registry
+                .register_many(conn, members.iter().map(Vec::as_slice), s, 1000)
+                .await
+                .unwrap();
+        }
+        let devices = Devices {
+            dead: dead.clone(),
+            by_user,
+        };
+        // The registry holds what the oracle says (one user of each kind).
+        for n in 0..with_more.min(users).min(4) {
+            let u = user(dead, n);
+            let as_seeded: Vec<(String, String)> = devices.by_user[&u]
+                .iter()
+                .map(|(c, s)| (c.clone(), s.as_str().to_owned()))
+                .collect();
+            assert_eq!(registry.connections(conn, &u).await.unwrap(), as_seeded);
+        }
+        devices
+    }
+
+    /// The members `<connection> <user>` of every connection seeded on the dead server.
+    pub fn dead_members(&self) -> Vec<Vec<u8>> {
+        self.by_user
+            .iter()
+            .flat_map(|(u, cs)| {
+                cs.iter()
+                    .filter(|(_, s)| s == &self.dead)
+                    .map(|(c, _)| registry_janitor::keys::conn_member(c, u))
+            })
+            .collect()
+    }
+
+    /// The live servers of `user`'s connections (what `route_user` returns while the dead
+    /// server is fenced or past its liveness, when nothing moved), sorted.
+    pub fn live_servers_of(&self, user: &[u8]) -> Vec<String> {
+        let mut servers: Vec<String> = self.by_user[user]
+            .iter()
+            .filter(|(_, s)| s != &self.dead)
+            .map(|(_, s)| s.as_str().to_owned())
+            .collect();
+        servers.sort();
+        servers.dedup();
+        servers
+    }
+
+    /// Asserts every user's Hash after the dead server's cleanup: exactly the connections
+    /// that were not on the dead server, plus those in `moved` (members that reconnected,
+    /// with their new server). So no connection names the dead server, no live one is
+    /// lost, and a user whose every connection was on the dead server has no key (Redis
+    /// deletes a Hash with its last field: an empty `HGETALL` is no key).
+    pub async fn assert_end_state(
+        &self,
+        registry: &Registry,
+        conn: &RedisConn,
+        moved: &[(Vec<u8>, ServerId)],
+    ) {
+        let moved: std::collections::HashMap<&[u8], &ServerId> =
+            moved.iter().map(|(m, s)| (m.as_slice(), s)).collect();
+        let users: Vec<&Vec<u8>> = self.by_user.keys().collect();
+        let (mut stale, mut lost, mut keys_left, mut wrong) = (0, 0, 0, Vec::new());
+        for batch in users.chunks(200) {
+            let got =
+                futures_util::future::join_all(batch.iter().map(|u| registry.connections(conn, u)))
+                    .await;
+            for (u, got) in batch.iter().zip(got) {
+                let got: Vec<(String, String)> = got.unwrap();
+                let mut expected: Vec<(String, String)> = self.by_user[*u]
+                    .iter()
+                    .filter_map(|(c, s)| {
+                        let member = registry_janitor::keys::conn_member(c, u);
+                        match moved.get(member.as_slice()) {
+                            Some(to) => Some((c.clone(), to.as_str().to_owned())),
+                            None => (s != &self.dead).then(|| (c.clone(), s.as_str().to_owned())),
+                        }
+                    })
+                    .collect();
+                expected.sort();
+                if got == expected {
+                    continue;
+                }
+                stale += got.iter().filter(|(_, s)| s == self.dead.as_str()).count();
+                lost += expected.iter().filter(|e| !got.contains(e)).count();
+                keys_left += usize::from(expected.is_empty());
+                if wrong.len() < 5 {
+                    wrong.push(format!(
+                        "{}: {got:?}, expected {expected:?}",
+                        String::from_utf8_lossy(u)
+                    ));
+                }
+            }
+        }
+        assert!(
+            wrong.is_empty(),
+            "{stale} connections still name {}, {lost} live connections lost, {keys_left} \
+             users of the dead server alone still have a key; for example:\n{}",
+            self.dead,
+            wrong.join("\n")
+        );
+    }
+}
+
+/// Every connection of layout `conns` on the Redis nodes at `urls` (one node, or every
+/// master of a cluster) whose field names `server`, as (user Hash key, connection id):
+/// a scan of every user's Hash, not only the users a test seeded.
+pub async fn connections_naming(
+    urls: &[String],
+    keys: &Keys,
+    server: &ServerId,
+) -> Vec<(Vec<u8>, Vec<u8>)> {
+    let mut naming = Vec::new();
+    for url in urls {
+        let mut c = redis::Client::open(url.as_str())
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        let mut cursor = 0u64;
+        loop {
+            let (next, found): (u64, Vec<Vec<u8>>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(keys.user_conns_pattern())
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(&mut c)
+                .await
+                .unwrap();
+            if !found.is_empty() {
+                let mut pipe = redis::pipe();
+                for key in &found {
+                    pipe.hgetall(key);
+                }
+                let all: Vec<Vec<(Vec<u8>, String)>> = pipe.query_async(&mut c).await.unwrap();
+                for (key, fields) in found.iter().zip(all) {
+                    naming.extend(
+                        fields
+                            .into_iter()
+                            .filter(|(_, s)| s == server.as_str())
+                            .map(|(field, _)| (key.clone(), field)),
+                    );
+                }
+            }
+            if next == 0 {
+                break;
+            }
+            cursor = next;
+        }
+    }
+    naming
+}

@@ -7,6 +7,7 @@ import { text, type Conn } from './conn.js';
 import { isFencedReply } from './errors.js';
 import { checkServerId } from './ids.js';
 import type { Arg, Entry, Keys } from './keys.js';
+import { stillWanted, type Attempt } from './retry.js';
 import { evalsha, type ScriptName } from './scripts.js';
 
 /** How a registration's steps ended. */
@@ -18,7 +19,8 @@ export interface RegisterOutcome {
 /** Register, steps 1 to 3: `EXISTS F`; if fenced, the script with F, N, U only (it refuses
  * and notes it) and no forward entry. Otherwise the forward entry, then the script with F,
  * N, U only. `onForwardWritten` is called before the forward write is sent, so that the
- * caller knows to take it back (release.lua) if the member is refused. */
+ * caller knows to take it back (release.lua) if the member is refused. No step is sent
+ * once `attempt` was given up on (its deadline passed). */
 export async function registerSteps(
   conn: Conn,
   keys: Keys,
@@ -28,15 +30,18 @@ export async function registerSteps(
   args: Arg[],
   timeoutMs: number,
   onForwardWritten: () => void,
+  attempt?: Attempt,
 ): Promise<RegisterOutcome> {
   const own = [keys.fenced(serverId), keys.refused(serverId), keys.users(serverId)];
   const fenced = (await conn.send(own[0], ['EXISTS', own[0]], timeoutMs)) === 1;
   if (!fenced) {
+    stillWanted(attempt, timeoutMs);
     onForwardWritten();
     await conn.send(entry.key, entry.write, timeoutMs);
   }
+  stillWanted(attempt, timeoutMs);
   try {
-    await evalsha(conn, script, own, args, timeoutMs);
+    await evalsha(conn, script, own, args, timeoutMs, false, attempt);
     return {};
   } catch (err) {
     if (isFencedReply(err)) return { fenced: err };
@@ -45,8 +50,8 @@ export async function registerSteps(
 }
 
 /** release.lua: the forward entry goes only if it still names the server. 0 or 1. */
-export async function release(conn: Conn, entry: Entry, timeoutMs: number): Promise<number> {
-  return Number(await evalsha(conn, 'release', [entry.key], entry.release, timeoutMs));
+export async function release(conn: Conn, entry: Entry, timeoutMs: number, attempt?: Attempt): Promise<number> {
+  return Number(await evalsha(conn, 'release', [entry.key], entry.release, timeoutMs, false, attempt));
 }
 
 /** Unregister: release.lua on the forward entry, then the script with F, N, U only (it
@@ -60,9 +65,12 @@ export async function unregisterSteps(
   args: Arg[],
   timeoutMs: number,
   onReleased: (deleted: number) => void,
+  attempt?: Attempt,
 ): Promise<void> {
-  onReleased(await release(conn, entry, timeoutMs));
-  await evalsha(conn, script, [keys.fenced(serverId), keys.refused(serverId), keys.users(serverId)], args, timeoutMs);
+  onReleased(await release(conn, entry, timeoutMs, attempt));
+  stillWanted(attempt, timeoutMs);
+  const own = [keys.fenced(serverId), keys.refused(serverId), keys.users(serverId)];
+  await evalsha(conn, script, own, args, timeoutMs, false, attempt);
 }
 
 /** Heartbeat: heartbeat.lua with F, N, A only, then, if it answered 1, ZADD servers. */

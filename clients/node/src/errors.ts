@@ -45,7 +45,8 @@ export class ClosedError extends Error {
 }
 
 /** Redis did not answer an attempt in time (the command may still be queued or in flight;
- * every protocol call is idempotent, so a retry is safe). */
+ * each script is idempotent, and a later call of the same entry waits for it before it
+ * sends its own), or a call waited for an earlier attempt of its entry past its time. */
 export class RedisTimeoutError extends Error {
   readonly code = 'TIMEOUT' as const;
   constructor(ms: number) {

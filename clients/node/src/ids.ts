@@ -10,7 +10,8 @@ export const SERVER_ID_RULE =
   "server id must be 1 to 200 bytes of printable ASCII without whitespace, '{' or '}'";
 export const CONNECTION_ID_RULE =
   "connection id must be 1 to 200 bytes of printable ASCII without whitespace, '{' or '}'";
-export const USER_ID_RULE = 'user id must be 1 to 512 bytes (a string, sent as UTF-8, or bytes)';
+export const USER_ID_RULE =
+  'user id must be 1 to 512 bytes (a well-formed string, without lone surrogates, sent as UTF-8; or bytes)';
 
 // Printable ASCII (0x21-0x7E) but for '{' (0x7B) and '}' (0x7D): the pattern of route.lua.
 const SERVER_ID = /^[!-z|~]{1,200}$/;
@@ -37,6 +38,10 @@ export function checkConnectionId(id: unknown): string {
   return id;
 }
 
+/** String.prototype.isWellFormed (Node 20): no lone surrogate, which UTF-8 would send as
+ * U+FFFD, so that two different strings would be one user. */
+const isWellFormed = (s: string): boolean => (s as unknown as { isWellFormed(): boolean }).isWellFormed();
+
 /** Checks a user id and returns it as node-redis sends it: a string, or a Buffer. In layout
  * conns any bytes will do too: in the reverse-set member `<connection> <user>` the
  * connection id comes first and holds no space, so the member splits at its first space
@@ -44,7 +49,7 @@ export function checkConnectionId(id: unknown): string {
 export function checkUserId(user: unknown): string | Buffer {
   if (typeof user === 'string') {
     const n = Buffer.byteLength(user);
-    if (n >= 1 && n <= 512) return user;
+    if (n >= 1 && n <= 512 && isWellFormed(user)) return user;
   } else if (user instanceof Uint8Array) {
     if (user.length >= 1 && user.length <= 512) {
       return Buffer.isBuffer(user) ? user : Buffer.from(user.buffer, user.byteOffset, user.length);

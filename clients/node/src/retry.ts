@@ -46,15 +46,32 @@ export function withDeadline<T>(promise: Promise<T>, ms: number): Promise<T> {
   return Promise.race([promise, deadline]).finally(() => clearTimeout(timer));
 }
 
-/** Runs `attempt(timeoutMs)` until it succeeds, fails with an error that is not transient,
- * or runs out of attempts or time; each attempt gets the time left. */
-export async function withRetry<T>(policy: RetryPolicy, attempt: (timeoutMs: number) => Promise<T>): Promise<T> {
+/** One attempt of withRetry. `abandoned` is set once the call no longer waits for it (its
+ * deadline passed, or it failed): an attempt of several commands checks it before sending
+ * the next, so that nothing more of an attempt given up on is sent. */
+export interface Attempt {
+  abandoned: boolean;
+}
+
+/** Throws a RedisTimeoutError if `attempt` was given up on: send nothing more of it. */
+export function stillWanted(attempt: Attempt | undefined, timeoutMs: number | undefined): void {
+  if (attempt?.abandoned) throw new RedisTimeoutError(timeoutMs ?? 0);
+}
+
+/** Runs `attempt(timeoutMs, attempt)` until it succeeds, fails with an error that is not
+ * transient, or runs out of attempts or time; each attempt gets the time left. */
+export async function withRetry<T>(
+  policy: RetryPolicy,
+  attempt: (timeoutMs: number, attempt: Attempt) => Promise<T>,
+): Promise<T> {
   const deadline = Date.now() + policy.timeoutMs;
   for (let n = 1; ; n++) {
     const left = Math.max(1, deadline - Date.now());
+    const state: Attempt = { abandoned: false };
     try {
-      return await withDeadline(attempt(left), left);
+      return await withDeadline(attempt(left, state), left);
     } catch (err) {
+      state.abandoned = true;
       if (!isTransient(err) || n >= policy.attempts) throw err;
       const cap = Math.min(policy.maxDelayMs, policy.baseDelayMs * 2 ** (n - 1));
       const delay = cap / 2 + (Math.random() * cap) / 2;

@@ -12,9 +12,11 @@ import { fileURLToPath } from 'node:url';
 import type { Conn } from './conn.js';
 import { isNoClusterRefusal, isNoScript, replyCode } from './errors.js';
 import type { Arg } from './keys.js';
+import { stillWanted, type Attempt } from './retry.js';
 
 export const SCRIPT_NAMES = [
   'heartbeat',
+  'heartbeat_servers',
   'register',
   'unregister',
   'release',
@@ -55,7 +57,7 @@ export const scriptShas: Readonly<Record<ScriptName, string>> = Object.freeze(
 
 /** Runs a script by its SHA1 (EVALSHA, or EVALSHA_RO with `readOnly`). After NOSCRIPT
  * (a restart, a failover, SCRIPT FLUSH, a new cluster master) it loads the script on the
- * node of `keys[0]` and runs it once more. */
+ * node of `keys[0]` and runs it once more (unless `attempt` was given up on meanwhile). */
 export async function evalsha(
   conn: Conn,
   name: ScriptName,
@@ -63,6 +65,7 @@ export async function evalsha(
   args: Arg[],
   timeoutMs?: number,
   readOnly = false,
+  attempt?: Attempt,
 ): Promise<unknown> {
   const command: Arg[] = [readOnly ? 'EVALSHA_RO' : 'EVALSHA', scriptShas[name], String(keys.length), ...keys, ...args];
   try {
@@ -70,7 +73,9 @@ export async function evalsha(
       return await conn.send(keys[0], command, timeoutMs);
     } catch (err) {
       if (!isNoScript(err)) throw err;
+      stillWanted(attempt, timeoutMs);
       await conn.send(keys[0], ['SCRIPT', 'LOAD', scripts[name]], timeoutMs);
+      stillWanted(attempt, timeoutMs);
       return await conn.send(keys[0], command, timeoutMs);
     }
   } catch (err) {

@@ -3,10 +3,12 @@
 
 import * as cluster from './cluster.js';
 import { connOf, type Conn } from './conn.js';
-import { ClosedError, FencedError, isFencedReply, isTransient } from './errors.js';
+import { ClosedError, FencedError, isFencedReply, isTransient, RedisTimeoutError } from './errors.js';
 import { checkConnectionId, checkServerId, checkUserId, newServerId, type UserId } from './ids.js';
 import { checkLayout, entryOf, Keys, type Arg, type Layout } from './keys.js';
-import { retryPolicy, withDeadline, withRetry, type RetryOptions, type RetryPolicy } from './retry.js';
+import {
+  retryPolicy, withDeadline, withRetry, type Attempt, type RetryOptions, type RetryPolicy,
+} from './retry.js';
 import { evalsha } from './scripts.js';
 
 export interface HeartbeatLost {
@@ -50,6 +52,37 @@ export interface ConnectionServerOptions {
 
 type State = 'new' | 'starting' | 'running' | 'closing' | 'closed';
 
+/** The calls of one entry (a user; layout conns: a user's connection), in the order they
+ * were made. */
+interface Slot {
+  /** Bumped by every call: the call holding the current value is the newest. */
+  gen: number;
+  /** Calls of this entry that have not settled. */
+  calls: number;
+  /** Settles when the attempt in flight (its every command) has ended; undefined when none. */
+  attempt: Promise<void> | undefined;
+}
+
+/** A call superseded by a later call of the same entry (or a register by close()): it
+ * sends nothing more. */
+class Superseded {
+  constructor(readonly byClose: boolean) {}
+}
+const SUPERSEDED = new Superseded(false);
+const SUPERSEDED_BY_CLOSE = new Superseded(true);
+
+const noop = () => undefined;
+
+/** A call's place in the order of its entry. */
+interface Turn {
+  /** Whether the call is still the newest of its entry. */
+  current(): boolean;
+  /** withRetry, in the order of the entry: each attempt waits for the attempt in flight
+   * and, unless `always`, is not sent once the call is superseded (a register: or close()
+   * has begun) or the server fenced. */
+  retry<R>(attempt: (timeoutMs: number, attempt: Attempt) => Promise<R>, always?: boolean): Promise<R>;
+}
+
 /** Registrations unregistered at once by close(). */
 const CLOSE_BATCH = 200;
 
@@ -84,6 +117,9 @@ export class ConnectionServer {
   private state: State = 'new';
   private fencedBy: FencedError | undefined;
   private timer: NodeJS.Timeout | undefined;
+  /** Whether the heartbeat timer runs: from start() to the fence or the end of close(). */
+  private beating = false;
+  /** Settles when the last heartbeat (its every command) has ended. */
   private heartbeat: Promise<void> | undefined;
   private heartbeatFailures = 0;
   private lastHeartbeatMs = 0;
@@ -94,6 +130,8 @@ export class ConnectionServer {
   /** What this object registered and did not unregister, for close(). */
   private readonly registered = new Map<string, { user: Arg; connection?: string }>();
   private readonly inFlight = new Set<Promise<unknown>>();
+  /** Per entry (trackKey), the order of its calls. */
+  private readonly slots = new Map<string, Slot>();
 
   constructor(redis: unknown, options: ConnectionServerOptions) {
     if (options === null || typeof options !== 'object') throw new TypeError('options { serverId, ... } are required');
@@ -138,11 +176,15 @@ export class ConnectionServer {
     }
     if (this.state !== 'starting') return; // closed meanwhile
     this.state = 'running';
+    this.beating = true;
     this.schedule(this.heartbeatIntervalMs);
   }
 
   /** Registers `user` on this server; layout conns: its connection `connection`. Rejects
-   * with FencedError (nothing written) once this id is fenced. */
+   * with FencedError (nothing written) once this id is fenced. Calls of one entry apply in
+   * the order they were made: a later unregister (or register) of the same entry
+   * supersedes this one while it waits to retry (it then resolves, sending nothing more);
+   * close() does too (it then rejects with ClosedError; close() unregisters the entry). */
   register(user: UserId, connection?: string): Promise<void> {
     return this.track(async () => {
       const [u, c] = this.checkEntry(user, connection);
@@ -158,7 +200,9 @@ export class ConnectionServer {
   /** A clean disconnect: the entry (layout conns: the connection's field) goes if it still
    * names this server, then the member. Resolves true if an entry was deleted. Rejects
    * with FencedError once this id is fenced; after close(), resolves false (close() has
-   * unregistered everything). */
+   * unregistered everything). It waits for an attempt in flight of an earlier register of
+   * the same entry, and supersedes that register (no further attempt of it is sent); a
+   * later call of the entry supersedes it likewise (it then resolves false). */
   unregister(user: UserId, connection?: string): Promise<boolean> {
     return this.track(async () => {
       const [u, c] = this.checkEntry(user, connection);
@@ -168,12 +212,12 @@ export class ConnectionServer {
     });
   }
 
-  /** Graceful shutdown: stops the heartbeat, unregisters everything this object
-   * registered and did not unregister, then removes the liveness key and the `servers`
-   * member, so that nothing is left for the janitor and no server.dead comes. If some
-   * entry cannot be unregistered, the liveness is left to expire (the janitor then cleans
-   * up after this server) and close() rejects with an AggregateError. A fenced server
-   * touches nothing. */
+  /** Graceful shutdown: waits for the calls in flight, unregisters everything this object
+   * registered and did not unregister (heartbeating meanwhile), stops the heartbeat, then
+   * removes the liveness key and the `servers` member, so that nothing is left for the
+   * janitor and no server.dead comes. If some entry cannot be unregistered, the heartbeat
+   * stops and the liveness is left to expire (the janitor then cleans up after this
+   * server) and close() rejects with an AggregateError. A fenced server touches nothing. */
   close(): Promise<void> {
     this.closing ??= this.shutdown();
     return this.closing;
@@ -182,9 +226,10 @@ export class ConnectionServer {
   private async shutdown(): Promise<void> {
     const wasStarted = this.state === 'running' || this.state === 'starting';
     this.state = 'closing';
-    this.stopTimer();
-    await Promise.allSettled([this.heartbeat, ...this.inFlight]);
     try {
+      // The heartbeat goes on until the entries are unregistered: a close() slowed by
+      // retries past the TTL is not declared dead halfway.
+      await Promise.allSettled([...this.inFlight]);
       if (this.fencedBy || !wasStarted) return;
       const entries = [...this.registered.values()];
       const failures: unknown[] = [];
@@ -206,6 +251,9 @@ export class ConnectionServer {
             `${entries.length} entries; its liveness is left to expire, so that the janitor cleans up after it`,
         );
       }
+      // No heartbeat may land after the liveness key is deleted.
+      this.stopHeartbeat();
+      await withDeadline(this.heartbeat ?? Promise.resolve(), this.retry.timeoutMs).catch(noop);
       const alive = this.keys.alive(this.serverId);
       const servers = this.keys.servers();
       await withRetry(this.retry, (t) =>
@@ -215,6 +263,7 @@ export class ConnectionServer {
         ]),
       );
     } finally {
+      this.stopHeartbeat();
       this.state = 'closed';
     }
   }
@@ -248,65 +297,144 @@ export class ConnectionServer {
     return [this.keys.fenced(s), this.keys.refused(s), this.keys.users(s)];
   }
 
-  private async registerChecked(user: Arg, connection: string | undefined): Promise<void> {
+  // --- the order of the calls of one entry ---------------------------------------------
+
+  /** Runs `body`, a call on the entry `key`, as the newest call of that entry: an earlier
+   * call still pending is superseded (it sends nothing more and resolves with its
+   * `superseded` value). `body` sends through turn.retry, whose every attempt first waits
+   * for the attempt of this entry in flight (an earlier call's, or one given up on), then
+   * sends only if its call is still the newest. */
+  private inTurn<T>(
+    key: string,
+    kind: 'register' | 'unregister',
+    superseded: T,
+    body: (turn: Turn) => Promise<T>,
+  ): Promise<T> {
+    let slot = this.slots.get(key);
+    if (slot === undefined) {
+      slot = { gen: 0, calls: 0, attempt: undefined };
+      this.slots.set(key, slot);
+    }
+    const s = slot;
+    const gen = ++s.gen;
+    s.calls += 1;
+    const superseding = () => {
+      if (s.gen !== gen) return SUPERSEDED;
+      // close() is the last call of every entry: it unregisters what is left.
+      if (kind === 'register' && (this.state === 'closing' || this.state === 'closed')) return SUPERSEDED_BY_CLOSE;
+      return undefined;
+    };
+    const turn: Turn = {
+      current: () => s.gen === gen,
+      retry: (attempt, always = false) =>
+        withRetry(this.retry, async (t, a) => {
+          // An attempt of this entry in flight: its commands may still land. Wait for it
+          // (within this attempt's time), then send only if still the newest call.
+          while (s.attempt !== undefined) {
+            if (!always && superseding()) throw superseding();
+            await s.attempt;
+            if (a.abandoned) throw new RedisTimeoutError(t);
+          }
+          if (!always) {
+            const by = superseding();
+            if (by) throw by;
+            if (this.fencedBy) throw this.fencedError();
+          }
+          const sent = attempt(t, a);
+          const ended: Promise<void> = sent.then(noop, noop).then(() => {
+            if (s.attempt === ended) s.attempt = undefined;
+            this.dropSlot(key, s);
+          });
+          s.attempt = ended;
+          return sent;
+        }),
+    };
+    const run = async () => {
+      try {
+        return await body(turn);
+      } catch (err) {
+        if (err === SUPERSEDED) return superseded;
+        if (err === SUPERSEDED_BY_CLOSE) throw new ClosedError(this.serverId);
+        throw err;
+      } finally {
+        s.calls -= 1;
+        this.dropSlot(key, s);
+      }
+    };
+    return run();
+  }
+
+  private dropSlot(key: string, slot: Slot): void {
+    if (slot.calls === 0 && slot.attempt === undefined && this.slots.get(key) === slot) this.slots.delete(key);
+  }
+
+  private registerChecked(user: Arg, connection: string | undefined): Promise<void> {
     const key = this.trackKey(user, connection);
     const entry = entryOf(this.keys, this.layout, user, connection, this.serverId);
     const script = this.layout === 'conns' ? 'register_conn' : 'register';
     const args = this.scriptArgs(user, connection);
-    this.registered.set(key, { user, connection });
-    try {
-      if (this.conn.topology !== 'cluster') {
-        await withRetry(this.retry, (t) => evalsha(this.conn, script, [...this.ownKeys(), entry.key], args, t));
-        return;
+    return this.inTurn(key, 'register', undefined, async (turn) => {
+      this.registered.set(key, { user, connection });
+      try {
+        if (this.conn.topology !== 'cluster') {
+          await turn.retry((t, a) => evalsha(this.conn, script, [...this.ownKeys(), entry.key], args, t, false, a));
+          return;
+        }
+        let forwardWritten = false;
+        const outcome = await turn.retry((t, a) =>
+          cluster.registerSteps(this.conn, this.keys, this.serverId, script, entry, args, t, () => {
+            forwardWritten = true;
+          }, a),
+        );
+        if (outcome.fenced === undefined) return;
+        const fenced = this.learnFenced(outcome.fenced);
+        if (forwardWritten) {
+          // Take the forward entry back (whatever came after this call: they are refused).
+          // If that fails too, it names a fenced owner, which route never returns and the
+          // janitor's drift sweep deletes (and announces).
+          await turn.retry((t, a) => cluster.release(this.conn, entry, t, a), true).catch(noop);
+        }
+        throw fenced;
+      } catch (err) {
+        // A registration that may have been written (by an attempt before a transient
+        // error, or before close() superseded it) stays known to close(); what a later
+        // call of the entry did to `registered` stands.
+        if (!isTransient(err) && !(err instanceof Superseded) && turn.current()) this.registered.delete(key);
+        if (isFencedReply(err)) throw this.learnFenced(err);
+        throw err;
       }
-      let forwardWritten = false;
-      const outcome = await withRetry(this.retry, (t) =>
-        cluster.registerSteps(this.conn, this.keys, this.serverId, script, entry, args, t, () => {
-          forwardWritten = true;
-        }),
-      );
-      if (outcome.fenced === undefined) return;
-      const fenced = this.learnFenced(outcome.fenced);
-      if (forwardWritten) {
-        // Take the forward entry back. If that fails too, it names a fenced owner, which
-        // route never returns and the janitor's drift sweep deletes (and announces).
-        await withRetry(this.retry, (t) => cluster.release(this.conn, entry, t)).catch(() => undefined);
-      }
-      throw fenced;
-    } catch (err) {
-      // A registration that may have been written stays known to close().
-      if (!isTransient(err)) this.registered.delete(key);
-      if (isFencedReply(err)) throw this.learnFenced(err);
-      throw err;
-    }
+    });
   }
 
-  private async unregisterChecked(user: Arg, connection: string | undefined): Promise<boolean> {
+  private unregisterChecked(user: Arg, connection: string | undefined): Promise<boolean> {
+    const key = this.trackKey(user, connection);
     const entry = entryOf(this.keys, this.layout, user, connection, this.serverId);
     const script = this.layout === 'conns' ? 'unregister_conn' : 'unregister';
     const args = this.scriptArgs(user, connection);
-    let deleted = 0;
-    try {
-      if (this.conn.topology !== 'cluster') {
-        deleted = Number(
-          await withRetry(this.retry, (t) => evalsha(this.conn, script, [...this.ownKeys(), entry.key], args, t)),
-        );
-      } else {
-        await withRetry(this.retry, (t) =>
-          cluster.unregisterSteps(this.conn, this.keys, this.serverId, script, entry, args, t, (d) => {
-            deleted ||= d;
-          }),
-        );
+    return this.inTurn(key, 'unregister', false, async (turn) => {
+      let deleted = 0;
+      try {
+        if (this.conn.topology !== 'cluster') {
+          deleted = Number(
+            await turn.retry((t, a) => evalsha(this.conn, script, [...this.ownKeys(), entry.key], args, t, false, a)),
+          );
+        } else {
+          await turn.retry((t, a) =>
+            cluster.unregisterSteps(this.conn, this.keys, this.serverId, script, entry, args, t, (d) => {
+              deleted ||= d;
+            }, a),
+          );
+        }
+      } catch (err) {
+        if (isFencedReply(err) || err instanceof FencedError) {
+          if (turn.current()) this.registered.delete(key);
+          throw this.learnFenced(err);
+        }
+        throw err;
       }
-    } catch (err) {
-      if (isFencedReply(err)) {
-        this.registered.delete(this.trackKey(user, connection));
-        throw this.learnFenced(err);
-      }
-      throw err;
-    }
-    this.registered.delete(this.trackKey(user, connection));
-    return deleted > 0;
+      if (turn.current()) this.registered.delete(key);
+      return deleted > 0;
+    });
   }
 
   // --- heartbeat -----------------------------------------------------------------------
@@ -328,21 +456,19 @@ export class ConnectionServer {
       }
       this.lastHeartbeatMs = now;
     };
-    const beat = withDeadline(run(), timeoutMs);
-    this.heartbeat = beat.then(
-      () => undefined,
-      () => undefined,
-    );
-    return beat;
+    const sent = run();
+    this.heartbeat = sent.then(noop, noop);
+    return withDeadline(sent, timeoutMs);
   }
 
   private schedule(delayMs: number): void {
-    if (this.state !== 'running' || this.fencedBy) return;
+    if (!this.beating || this.fencedBy) return;
     this.timer = setTimeout(() => void this.tick(), Math.max(0, delayMs));
     this.timer.unref();
   }
 
-  private stopTimer(): void {
+  private stopHeartbeat(): void {
+    this.beating = false;
     clearTimeout(this.timer);
     this.timer = undefined;
   }
@@ -354,7 +480,7 @@ export class ConnectionServer {
     try {
       await this.heartbeatOnce(this.heartbeatIntervalMs);
     } catch (err) {
-      if (err instanceof FencedError || this.state !== 'running') return;
+      if (err instanceof FencedError || !this.beating) return;
       this.heartbeatFailures += 1;
       const forMs = Date.now() - this.lastHeartbeatMs;
       if (!this.lost && forMs > this.ttlMs) {
@@ -383,7 +509,7 @@ export class ConnectionServer {
     if (this.fencedBy) return this.fencedError();
     const message = reply instanceof Error ? reply.message : undefined;
     this.fencedBy = new FencedError(this.serverId, message);
-    this.stopTimer();
+    this.stopHeartbeat();
     invoke(this.options.onFenced, this.fencedBy);
     return this.fencedBy;
   }

@@ -197,6 +197,36 @@ describe('Redis Cluster', () => {
         }
       });
 
+      test('an unregister waits for the register attempt in flight, its steps included (a slow network)', async () => {
+        for (const layout of ['keys', 'conns']) {
+          const { proxy, rec } = recording(client);
+          const keyPrefix = `w${RESP}:${layout}:`;
+          const S = 'gw-wait#1';
+          const s = new ConnectionServer(proxy, { serverId: S, layout, keyPrefix, ttlMs: 120_000 });
+          await s.start();
+          const entry = layout === 'conns' ? ['gina', 'phone'] : ['gina'];
+          // The forward write of the register takes 400 ms on the network.
+          rec.hook = async (words) => {
+            if (words[0] === 'SET' || words[0] === 'HSET') await sleep(400);
+          };
+          rec.log = [];
+          const registered = s.register(...entry);
+          await sleep(50);
+          const unregistered = s.unregister(...entry);
+          await registered;
+          assert.equal(await unregistered, true, 'the unregister deleted what the register wrote');
+          rec.hook = undefined;
+          const script = layout === 'conns' ? 'register_conn' : 'register';
+          const write = layout === 'conns' ? `HSET ${keyPrefix}user:{gina}:conns` : `SET ${keyPrefix}user:gina`;
+          assert.deepEqual(rec.log, [
+            `EXISTS ${keyPrefix}server:{${S}}:fenced`, write, `EVALSHA ${script} 3`, 'EVALSHA release 1', `EVALSHA un${script} 3`,
+          ]);
+          assert.deepEqual(await keysEverywhere(cluster, keyPrefix), [`${keyPrefix}server:{${S}}:alive`, `${keyPrefix}servers`]);
+          await s.close();
+          assert.deepEqual(await keysEverywhere(cluster, keyPrefix), []);
+        }
+      });
+
       test('a server already fenced writes no forward entry (a user moved to a live server keeps it)', async () => {
         const { proxy, rec } = recording(client);
         const keyPrefix = `z${RESP}:`;

@@ -55,6 +55,14 @@ test('bad user and connection ids write nothing, in every layout', async () => {
       await assert.rejects(s.register(bad), invalid('user id', USER_ID_RULE));
       await assert.rejects(s.unregister(bad), invalid('user id', USER_ID_RULE));
     }
+    // Strings that are not well-formed UTF-16 (a lone surrogate) would be sent as U+FFFD:
+    // different ids, one key.
+    assert.match(USER_ID_RULE, /well-formed/);
+    for (const bad of ['\ud800', 'a\udfff', '\udc00\ud800', `${'x'.repeat(10)}\ud83d`]) {
+      await assert.rejects(s.register(bad), invalid('user id', USER_ID_RULE));
+      await assert.rejects(s.unregister(bad), invalid('user id', USER_ID_RULE));
+      await assert.rejects(new Router(client, { layout }).route(bad), invalid('user id', USER_ID_RULE));
+    }
     await assert.rejects(s.register('alice', 'phone'), /for layout conns/);
     const r = new Router(client, { layout });
     await assert.rejects(r.route(''), invalid('user id', USER_ID_RULE));
@@ -66,6 +74,8 @@ test('bad user and connection ids write nothing, in every layout', async () => {
     await assert.rejects(s.unregister('alice', bad), invalid('connection id', CONNECTION_ID_RULE));
   }
   await assert.rejects(s.register('', 'phone'), invalid('user id', USER_ID_RULE));
+  await assert.rejects(s.register('\ud800', 'phone'), invalid('user id', USER_ID_RULE));
+  await assert.rejects(new Router(client, { layout: 'conns' }).routeUser('\udfff'), invalid('user id', USER_ID_RULE));
   await assert.rejects(new Router(client, { layout: 'conns' }).routeUser(''), invalid('user id', USER_ID_RULE));
 
   const afterwards = await snapshot(client);
@@ -84,6 +94,7 @@ test('user ids are any bytes, 1 to 512 of them, in layout conns too', async () =
   const odd = Buffer.from([0xff, 0x20, 0x7b, 0x7d, 0x00, 0x0a]); // not UTF-8, a space, braces, NUL
   await s.register(odd, 'c1');
   await s.register('x'.repeat(512), 'c1');
+  await s.register('\u{1F600}'.repeat(128), 'c1'); // 512 bytes of surrogate pairs: well-formed
   const router = new Router(client, { layout: 'conns' });
   assert.deepEqual(await router.routeUser(odd), ['gw-bytes#1']);
   assert.deepEqual(await router.routeUser(Uint8Array.from(odd)), ['gw-bytes#1'], 'a Uint8Array is the same user');

@@ -53,6 +53,32 @@ pub enum Command {
         #[command(subcommand)]
         action: HeldAction,
     },
+    /// The data format: the format in use and the workers' announcements, or set the
+    /// format in use back for a rollback.
+    Format {
+        #[command(subcommand)]
+        action: FormatAction,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum FormatAction {
+    /// The format in use, this build's, and each worker's (live or gone).
+    Status {
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Set the format in use (a rollback). Refused while a live worker cannot work under
+    /// it, or while live workers of a newer format would move it forward again at once
+    /// (none of format N is announced).
+    Set {
+        /// The format to put in use.
+        format: u32,
+        /// Set it whatever the live workers.
+        #[arg(long)]
+        force: bool,
+    },
 }
 
 #[derive(Subcommand)]

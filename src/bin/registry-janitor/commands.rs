@@ -12,7 +12,7 @@ use registry_janitor::{
 };
 
 use crate::{
-    cli::{DeadLettersAction, EmitEvent, HeldAction},
+    cli::{DeadLettersAction, EmitEvent, FormatAction, HeldAction},
     output,
 };
 
@@ -118,6 +118,25 @@ pub async fn held(settings: &Settings, action: HeldAction) -> anyhow::Result<()>
                     );
                 }
             }
+        }
+    }
+    Ok(())
+}
+
+/// `format status|set`: the data format.
+pub async fn format(settings: &Settings, action: FormatAction) -> anyhow::Result<()> {
+    use registry_janitor::format;
+    let conn = conn::shared_for(&conn::target_for(settings)?).await?;
+    let keys = Keys::for_settings(settings);
+    let live_ms = settings.claim_min_idle_ms;
+    match action {
+        FormatAction::Status { json } => {
+            let status = format::status(&conn, &keys, format::Build::current()?, live_ms).await?;
+            output::format_status(&status, json)?;
+        }
+        FormatAction::Set { format: n, force } => {
+            let outcome = format::set(&conn, &keys, n, live_ms, force).await?;
+            output::format_set(n, &outcome, live_ms)?;
         }
     }
     Ok(())

@@ -5,8 +5,9 @@
 //!
 //! - [`cli`]: the flags and subcommands.
 //! - [`commands`]: the commands that ask or tell the service something (`emit`, `status`,
-//!   `dead-letters`, `held`).
-//! - [`output`]: what `status`, `dead-letters`, `held` and `emit` print (text or JSON).
+//!   `dead-letters`, `held`, `format`).
+//! - [`output`]: what `status`, `dead-letters`, `held`, `format` and `emit` print (text
+//!   or JSON).
 
 mod cli;
 mod commands;
@@ -51,5 +52,6 @@ async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
         Command::Status { json } => commands::status(&settings, json).await,
         Command::DeadLetters { action } => commands::dead_letters(&settings, action).await,
         Command::Held { action } => commands::held(&settings, action).await,
+        Command::Format { action } => commands::format(&settings, action).await,
     }
 }

@@ -1,10 +1,12 @@
-//! What `status`, `dead-letters`, `held` and `emit` print: text for people, JSON for scripts.
+//! What `status`, `dead-letters`, `held`, `format` and `emit` print: text for people, JSON
+//! for scripts.
 //! Presentation only; the library collects the data.
 
 use std::fmt;
 
 use registry_janitor::{
     dead_letters::DeadLetter,
+    format::{FormatStatus, SetOutcome},
     guard::{Hold, HoldState},
     keys::GROUP,
     status::Status,
@@ -71,6 +73,97 @@ pub fn holds(holds: &[Hold], json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `format status`: the format in use, this build's, and each worker's announcement, or
+/// pretty JSON.
+pub fn format_status(status: &FormatStatus, json: bool) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(status)?);
+        return Ok(());
+    }
+    let recorded = if status.recorded {
+        ""
+    } else {
+        " (never moved or set: the format of a deployment that started at format 1)"
+    };
+    println!("format in use   {}{recorded}", status.in_use);
+    println!("this build      {}", status.build.describe());
+    let live = status.workers.iter().filter(|w| w.live).count();
+    println!(
+        "workers         {live} live (announced within {} ms), {} gone",
+        status.live_ms,
+        status.workers.len() - live
+    );
+    for w in &status.workers {
+        let under = if (w.min..=w.format).contains(&status.in_use) {
+            "works under the format in use"
+        } else if status.in_use > w.format {
+            "BEHIND: takes no work"
+        } else {
+            "too new for the format in use: takes no work"
+        };
+        println!(
+            "  {:<40} format {} (works under {} to {})  {}  {under}",
+            w.consumer,
+            w.format,
+            w.min,
+            w.format,
+            if w.live { "live" } else { "gone" },
+        );
+        println!(
+            "  {:<40} seen {} ms ago, announced for {} ms",
+            "",
+            status.now_ms.saturating_sub(w.seen_ms),
+            w.seen_ms.saturating_sub(w.since_ms)
+        );
+    }
+    Ok(())
+}
+
+/// `format set`: what changed, or why it was refused (an error).
+pub fn format_set(n: u32, outcome: &SetOutcome, live_ms: u64) -> anyhow::Result<()> {
+    let cannot: Vec<String> = outcome
+        .cannot
+        .iter()
+        .map(|(c, f, m)| format!("{c} (format {f}, works under {m} to {f})"))
+        .collect();
+    if !outcome.set {
+        let mut why = Vec::new();
+        if !cannot.is_empty() {
+            why.push(format!(
+                "live workers cannot work under format {n}: {}",
+                cannot.join(", ")
+            ));
+        }
+        if outcome.moves_back {
+            why.push(format!(
+                "live workers of a newer format are announced and none of format {n}: they \
+                 would move the format forward again at once (start a worker of format {n} \
+                 first, or stop them)"
+            ));
+        }
+        anyhow::bail!(
+            "format {n} not set (format {} stays in use): {}; live: announced within {live_ms} ms; \
+             --force sets it anyway",
+            outcome.previous,
+            why.join("; ")
+        );
+    }
+    println!("format in use: {} -> {n}", outcome.previous);
+    if !cannot.is_empty() {
+        println!(
+            "forced: these live workers take no work under format {n}: {}",
+            cannot.join(", ")
+        );
+    }
+    if outcome.moves_back {
+        println!(
+            "forced: live workers of a newer format will move it forward again unless a \
+             worker of format {n} is announced"
+        );
+    }
+    Ok(())
+}
+
 /// One held verdict on one line.
 struct HoldLine<'a>(&'a Hold, u64);
 
@@ -105,7 +198,8 @@ impl fmt::Display for StatusText<'_> {
         self.servers(f)?;
         self.fences(f, now)?;
         self.held(f, now)?;
-        self.evictions(f)
+        self.evictions(f)?;
+        self.format(f)
     }
 }
 
@@ -140,6 +234,28 @@ impl StatusText<'_> {
             )?;
         }
         writeln!(f, "dead letters    {}", s.dead_letters)
+    }
+
+    /// The data format in use, and the live workers by format.
+    fn format(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Some(format) = &self.0.format else {
+            return Ok(());
+        };
+        let by_format: Vec<String> = format
+            .live_by_format()
+            .iter()
+            .map(|(n, count)| format!("{count} of format {n}"))
+            .collect();
+        let workers = if by_format.is_empty() {
+            "none".to_owned()
+        } else {
+            by_format.join(", ")
+        };
+        writeln!(
+            f,
+            "data format     {} in use; live workers: {workers}",
+            format.in_use
+        )
     }
 
     /// The servers known and dead, and the last Redis outage the reconciler saw.
