@@ -31,7 +31,7 @@ This is for one Redis node. On a Redis Cluster the forward entry (`registry`, or
 slots, so no one script call can hold both; the Lua headers say what to do instead
 (F = server:{<id>}:fenced, N = server:{<id>}:refused, all in the server's one slot):
   - heartbeat: heartbeat.lua with KEYS F, N, server:{<id>}:alive only; if it answered 1,
-    ZADD servers <now_ms> <id>;
+    heartbeat_servers.lua with KEYS servers (the score is Redis's time, never ours);
   - register: EXISTS F first; if fenced, call register.lua with KEYS F, N,
     server:{<id>}:users only (it refuses and notes it) and write no forward entry.
     Otherwise HSET registry <user> <id> (or SET user:<user> <id>), then register.lua
@@ -151,7 +151,8 @@ class ConnectionServer:
             raise
 
     def heartbeat(self, ttl_ms: int) -> None:
-        """Refreshes `server:{id}:alive` (TTL `ttl_ms`) and this server's `servers` score."""
+        """Refreshes `server:{id}:alive` (TTL `ttl_ms`) and this server's `servers` score
+        (Redis's time: the script does not use the time sent as its third argument)."""
         keys = [self._key("fenced"), self._key("refused"), self._key("alive"), f"{self.key_prefix}servers"]
         self._call("heartbeat", keys, [self.server_id, ttl_ms, now_ms()])
 

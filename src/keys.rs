@@ -212,7 +212,7 @@ impl Keys {
     }
 
     /// The fence of a server declared dead (Hash with a TTL: `fenced_at_ms`, `entry`,
-    /// and the refused writes the protocol scripts note). See [`crate::fence`].
+    /// `unknown` for a server the registry did not know). See [`crate::fence`].
     pub fn server_fence(&self, server: &ServerId) -> String {
         self.server_key(server, "fenced")
     }

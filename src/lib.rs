@@ -45,6 +45,9 @@
 //! - [`reconcile`]: the reconciler: the heartbeat pass (`pass.rs`), expiry hints
 //!   (`hints.rs`), the drift sweep on one node (`sweep.rs`) and on a cluster
 //!   (`sweep_cluster.rs`).
+//! - [`clock`]: Redis's clock, by which every liveness question is judged: a `servers`
+//!   score is Redis's time, and its age is measured against Redis's time; scores that
+//!   lie in the future (a writer scoring with its own clock, ahead) are lowered.
 //! - [`guard`]: keeps outages elsewhere and monitoring mistakes from fencing a live
 //!   fleet: verdicts on silent servers wait until Redis has been reachable for a full
 //!   grace (`reachable/`: the tracker in `tracker.rs`, what an observation reads in
@@ -87,6 +90,7 @@
 //! (`registry-janitor-lab`: the demo and the benchmark).
 
 pub mod cleanup;
+pub mod clock;
 pub mod config;
 pub mod conn;
 pub mod dead_letters;

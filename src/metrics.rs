@@ -106,6 +106,10 @@ pub struct Metrics {
     /// Fenced servers that tried to write within `heartbeat_grace_ms`: a false positive
     /// or a zombie.
     pub fenced_servers_writing: IntGauge,
+    /// Verdicts on servers the registry did not know (no liveness key, no users, not in
+    /// `servers`): fenced for `fence_unknown_ttl_ms`, not indexed. Monitoring names
+    /// servers the registry does not know.
+    pub unknown_server_verdicts: IntCounter,
     /// `users.evicted` entries written to the evictions stream (cleanup and sweep).
     pub evictions_entries: IntCounter,
     /// Users announced in those entries.
@@ -239,6 +243,10 @@ impl Metrics {
             "Fenced servers that tried to write within heartbeat_grace_ms: a false positive or a zombie",
         );
         let counter = |name: &str, help: &str| IntCounter::new(name, help).expect(VALID);
+        let unknown_server_verdicts = counter(
+            "registry_janitor_unknown_server_verdicts_total",
+            "server.dead verdicts on servers the registry did not know (no liveness key, no users, not in servers): fenced for fence_unknown_ttl_ms, not indexed",
+        );
         let reconcile_passes = counter(
             "registry_janitor_reconcile_passes_total",
             "Reconciler passes over the known servers",
@@ -295,6 +303,7 @@ impl Metrics {
             Box::new(fence_refused_writes.clone()),
             Box::new(fenced_servers.clone()),
             Box::new(fenced_servers_writing.clone()),
+            Box::new(unknown_server_verdicts.clone()),
         ] {
             registry.register(c).expect(UNIQUE);
         }
@@ -471,6 +480,7 @@ impl Metrics {
             fence_refused_writes,
             fenced_servers,
             fenced_servers_writing,
+            unknown_server_verdicts,
             evictions_entries,
             evictions_users,
             cluster_users_rechecked,

@@ -61,8 +61,8 @@ pub struct ReachableStatus {
     /// When the current stretch of reachable time began (Redis time, unix ms): the last
     /// Redis outage a reconciler saw; 0 for none.
     pub reachable_since_ms: u64,
-    /// How much longer verdicts on silent servers wait, by this machine's clock (0: they
-    /// are taken).
+    /// How much longer verdicts on silent servers wait, by Redis's clock (0: they are
+    /// taken).
     pub verdicts_wait_ms: u64,
 }
 
@@ -111,11 +111,13 @@ pub async fn collect(settings: &Settings) -> Result<Status> {
         .fenced_still_writing
         .sort_by_key(|f| std::cmp::Reverse(f.last_refused_ms));
     status.writing_window_ms = settings.heartbeat_grace_ms;
+    // Redis's time: `reachable_since_ms` is on it.
+    let redis_now = crate::clock::now_ms(&conn, &keys).await?;
     status.reachable = crate::guard::reachable::recorded_since(&conn, &keys.guard_reachable())
         .await
         .map(|since| ReachableStatus {
             reachable_since_ms: since,
-            verdicts_wait_ms: (since + settings.heartbeat_grace_ms).saturating_sub(crate::now_ms()),
+            verdicts_wait_ms: (since + settings.heartbeat_grace_ms).saturating_sub(redis_now),
         });
     if let Some(stream) = keys.evictions() {
         status.evictions = Some(evictions_status(&conn, stream).await?);

@@ -438,6 +438,8 @@ async fn random_entries(batch: Vec<Vec<(Vec<u8>, Vec<u8>)>>) {
     }
     let worker = spawn_worker(&f.settings);
     f.wait_idle().await;
+    // An entry is acknowledged before its handler counts it.
+    worker.settled().await;
     let dead_letters = f.dead_letters().await;
     assert_eq!(dead_letters.len(), expected_dead);
     assert!(dead_letters

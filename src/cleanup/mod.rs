@@ -211,6 +211,10 @@ pub struct Cleaner {
     chunks_in_flight: usize,
     /// Lifetime of the fence each cleanup records first (see [`crate::fence`]).
     fence_ttl_ms: u64,
+    /// Lifetime of the fence of a server the registry does not know, and the counter of
+    /// such verdicts, when set (see [`crate::fence`]).
+    fence_unknown_ttl_ms: u64,
+    unknown_verdicts: Option<prometheus::IntCounter>,
     /// Counts failed step attempts (Redis errors), when set.
     errors: Option<prometheus::IntCounter>,
     /// The process's window of steps in flight, shared by its cleanups (single node;
@@ -225,6 +229,10 @@ pub struct Cleaner {
 /// The fence's lifetime when none is set: the `fence_ttl_ms` default, 7 days.
 pub const DEFAULT_FENCE_TTL_MS: u64 = 7 * 24 * 3600 * 1000;
 
+/// The lifetime of the fence of a server the registry does not know, when none is set:
+/// the `fence_unknown_ttl_ms` default, 10 minutes.
+pub const DEFAULT_FENCE_UNKNOWN_TTL_MS: u64 = 10 * 60 * 1000;
+
 impl Cleaner {
     pub fn new(keys: Keys, layout: Layout, chunk_size: usize, chunks_in_flight: usize) -> Self {
         Cleaner {
@@ -233,6 +241,8 @@ impl Cleaner {
             chunk_size,
             chunks_in_flight: chunks_in_flight.max(1),
             fence_ttl_ms: DEFAULT_FENCE_TTL_MS,
+            fence_unknown_ttl_ms: DEFAULT_FENCE_UNKNOWN_TTL_MS,
+            unknown_verdicts: None,
             errors: None,
             limiter: None,
             build: crate::format::Build::compiled(),
@@ -255,6 +265,15 @@ impl Cleaner {
     /// Fences live `ttl_ms` (the `fence_ttl_ms` setting).
     pub fn fence_ttl(mut self, ttl_ms: u64) -> Self {
         self.fence_ttl_ms = ttl_ms;
+        self
+    }
+
+    /// Fences of servers the registry does not know live `ttl_ms` (the
+    /// `fence_unknown_ttl_ms` setting; 0: `fence_ttl_ms`, as any other), and each such
+    /// verdict is counted in `counter`.
+    pub fn fence_unknown(mut self, ttl_ms: u64, counter: prometheus::IntCounter) -> Self {
+        self.fence_unknown_ttl_ms = ttl_ms;
+        self.unknown_verdicts = Some(counter);
         self
     }
 
@@ -318,7 +337,10 @@ impl Cleaner {
     }
 
     /// Records the fence of `server` (see [`crate::fence`]), retrying through transient
-    /// states. Ok(false) if Redis is out of memory and `wait_out_oom` is false.
+    /// states. Ok(false) if Redis is out of memory and `wait_out_oom` is false. With
+    /// `wait_out_oom` (the fence recorded after a walk under OOM), the fence always gets
+    /// the full lifetime: the walk has emptied what would show that the registry knew
+    /// the server.
     async fn fence(
         &self,
         conn: &RedisConn,
@@ -327,19 +349,39 @@ impl Cleaner {
         stop: &CancellationToken,
         wait_out_oom: bool,
     ) -> Result<bool> {
-        crate::retry::retrying_counted(
+        let lifetimes = crate::fence::Lifetimes {
+            ttl_ms: self.fence_ttl_ms,
+            unknown_ttl_ms: if wait_out_oom {
+                0
+            } else {
+                self.fence_unknown_ttl_ms
+            },
+        };
+        let recorded = crate::retry::retrying_counted(
             "recording the fence",
             stop,
             self.errors.as_ref(),
             || async {
-                match crate::fence::record(conn, &self.keys, server, entry, self.fence_ttl_ms).await
+                match crate::fence::record_verdict(conn, &self.keys, server, entry, lifetimes).await
                 {
-                    Err(Error::Redis(e)) if !wait_out_oom && e.code() == Some("OOM") => Ok(false),
-                    other => other.map(|_| true),
+                    Err(Error::Redis(e)) if !wait_out_oom && e.code() == Some("OOM") => Ok(None),
+                    other => other.map(Some),
                 }
             },
         )
-        .await
+        .await?;
+        if recorded.is_some_and(|r| r.unknown) {
+            if let Some(counter) = &self.unknown_verdicts {
+                counter.inc();
+            }
+            tracing::info!(
+                server_id = %server,
+                fence_ms = lifetimes.unknown_ttl_ms,
+                "verdict on a server the registry does not know (no liveness key, no users, not in `servers`): \
+                 fenced for fence_unknown_ttl_ms only, not indexed; does monitoring name servers of another registry?"
+            );
+        }
+        Ok(recorded.is_some())
     }
 
     /// The walk of [`Cleaner::clean_event`], once the fence is recorded. Evictions carry

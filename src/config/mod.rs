@@ -145,6 +145,8 @@ pub struct Settings {
     pub reconcile_interval_ms: u64,
     /// Lifetime of a fence (the verdict against a dead server's incarnation).
     pub fence_ttl_ms: u64,
+    /// Lifetime of the fence of a server the registry does not know at its verdict.
+    pub fence_unknown_ttl_ms: u64,
     /// Write the evictions stream?
     pub evictions: bool,
     /// The evictions stream's name, under `key_prefix`.
@@ -383,6 +385,7 @@ mod tests {
         assert_eq!(s.heartbeat_grace_ms, 30000);
         assert_eq!(s.reconcile_interval_ms, 30000);
         assert_eq!(s.fence_ttl_ms, 7 * 24 * 3600 * 1000);
+        assert_eq!(s.fence_unknown_ttl_ms, 10 * 60 * 1000);
         assert!(s.evictions);
         assert_eq!(s.evictions_stream, crate::keys::DEFAULT_EVICTIONS_STREAM);
         assert!(s.consumer_name.is_none());
@@ -431,6 +434,11 @@ mod tests {
         check(|s| s.max_deliveries = 0, "max_deliveries");
         check(|s| s.latency_target_ms = 1001, "latency_target_ms");
         check(|s| s.fence_ttl_ms = 1000, "fence_ttl_ms");
+        check(|s| s.fence_unknown_ttl_ms = 999, "fence_unknown_ttl_ms");
+        check(
+            |s| s.fence_unknown_ttl_ms = s.fence_ttl_ms + 1,
+            "fence_unknown_ttl_ms",
+        );
         check(|s| s.evictions_stream = String::new(), "evictions_stream");
         check(
             |s| s.evictions_stream = "registry:events".into(),

@@ -111,6 +111,15 @@ impl Settings {
                 ),
             );
         }
+        if self.fence_unknown_ttl_ms < 1000 || self.fence_unknown_ttl_ms > self.fence_ttl_ms {
+            return bad(
+                "fence_unknown_ttl_ms",
+                format!(
+                    "must be at least 1000 and at most fence_ttl_ms ({}), got {}",
+                    self.fence_ttl_ms, self.fence_unknown_ttl_ms
+                ),
+            );
+        }
         if self.evictions {
             let name = &self.evictions_stream;
             let taken = [

@@ -12,9 +12,36 @@
 //! positive, or a zombie.
 //!
 //! Fields of the fence: `fenced_at_ms` (unix ms of the first verdict), `entry` (the
-//! stream entry id of that `server.dead`). `janitor:fenced`
+//! stream entry id of that `server.dead`), and `unknown` = `1` on the fence of a server
+//! the registry did not know (below). `janitor:fenced`
 //! indexes the fences (member = S, score = unix ms of the latest verdict), so that no
 //! SCAN is needed to find them; entries older than `fence_ttl_ms` are pruned as read.
+//!
+//! **Servers the registry does not know.** A verdict on a server with nothing in the
+//! registry (no liveness key, no reverse set, no set being walked or set aside, not in
+//! `servers`) protects no entry: its fence lives `fence_unknown_ttl_ms` (minutes, not
+//! days), carries `unknown` = `1`, and is not indexed, and the verdict is counted
+//! (`registry_janitor_unknown_server_verdicts_total`). A monitoring that names servers
+//! the registry never saw (a wrong id, another fleet's) thus costs Redis a little for a
+//! short while, where each of its verdicts used to leave a fence and an index entry for
+//! `fence_ttl_ms`. Why that stays safe:
+//!
+//! - whether S is known and the fence are decided in one script, in S's slot
+//!   (record.lua): a registration or heartbeat of S lands before it (S is known: the full
+//!   fence) or after it (refused as FENCED, for as long as the short fence stands). On a
+//!   cluster, `servers` is in another slot: it is read after the script, and a server
+//!   found there gets the full fence then (a protocol heartbeat cannot slip in between:
+//!   the fence refuses it, and the client writes `servers` only after a heartbeat taken);
+//! - server ids name one incarnation (the specification's identifier rule), so an S that
+//!   writes after its short fence expired is the very incarnation the verdict named,
+//!   which had written nothing when it was given: nothing of it was cleaned, nothing it
+//!   writes afterwards is left behind by a cleanup. It must heartbeat before its first
+//!   user, so it is in `servers` and judged by its heartbeats like any server: if it is
+//!   dead, the reconciler (or a new verdict, now on a known server: the full fence)
+//!   cleans it; entries without a live owner are never returned by `route`, and the drift
+//!   sweep deletes them;
+//! - a fence standing with the full lifetime is never shortened, and a short one becomes
+//!   full as soon as a verdict finds S known.
 
 use std::sync::LazyLock;
 
@@ -29,8 +56,26 @@ static RECORD: LazyLock<redis::Script> =
 /// `server:{S}:refused` and in the metric's `op` label.
 pub const OPERATIONS: [&str; 3] = ["register", "heartbeat", "unregister"];
 
-/// Records the fence of `server` (idempotent), then indexes it. Returns the unix ms of
-/// the first verdict.
+/// The lifetimes of fences: `fence_ttl_ms`, and `fence_unknown_ttl_ms` for a server the
+/// registry does not know (0: such a server gets `fence_ttl_ms` too).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lifetimes {
+    pub ttl_ms: u64,
+    pub unknown_ttl_ms: u64,
+}
+
+/// What [`record`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Recorded {
+    /// Unix ms (Redis time) of the first verdict.
+    pub fenced_at_ms: u64,
+    /// The registry did not know the server: its fence lives `unknown_ttl_ms` and is not
+    /// indexed.
+    pub unknown: bool,
+}
+
+/// Records the fence of `server` (idempotent) with the lifetime `ttl_ms`, known to the
+/// registry or not, then indexes it. Returns the unix ms of the first verdict.
 pub async fn record(
     conn: &RedisConn,
     keys: &Keys,
@@ -38,34 +83,101 @@ pub async fn record(
     entry: Option<&str>,
     ttl_ms: u64,
 ) -> Result<u64> {
-    let mut call = RECORD.prepare_invoke();
-    call.key(keys.server_fence(server))
-        .arg(ttl_ms)
-        .arg(entry.unwrap_or(""));
-    let Recorded { fenced_at, now } = call.invoke_async(&mut conn.clone()).await?;
+    let lifetimes = Lifetimes {
+        ttl_ms,
+        unknown_ttl_ms: 0,
+    };
+    Ok(record_verdict(conn, keys, server, entry, lifetimes)
+        .await?
+        .fenced_at_ms)
+}
+
+/// Records the fence of a verdict on `server` (idempotent), then indexes it, unless the
+/// registry does not know the server (see the module docs): then the fence lives
+/// `lifetimes.unknown_ttl_ms` and is not indexed.
+pub async fn record_verdict(
+    conn: &RedisConn,
+    keys: &Keys,
+    server: &ServerId,
+    entry: Option<&str>,
+    lifetimes: Lifetimes,
+) -> Result<Recorded> {
+    let mut reply = record_once(conn, keys, server, entry, lifetimes).await?;
+    if reply.unknown && conn.is_cluster() {
+        // `servers` is in another slot: read after the fence, so that a server known
+        // there gets the full lifetime.
+        let score: Option<f64> = redis::cmd("ZSCORE")
+            .arg(keys.servers())
+            .arg(server.as_str())
+            .query_async(&mut conn.clone())
+            .await?;
+        if score.is_some() {
+            let full = Lifetimes {
+                unknown_ttl_ms: 0,
+                ..lifetimes
+            };
+            reply = record_once(conn, keys, server, entry, full).await?;
+        }
+    }
+    if reply.unknown {
+        return Ok(Recorded {
+            fenced_at_ms: reply.fenced_at,
+            unknown: true,
+        });
+    }
     // The index is for status and metrics only, in another slot on a cluster: the fence
     // above is what the protocol checks.
     let _: i64 = redis::cmd("ZADD")
         .arg(keys.fences())
-        .arg(now)
+        .arg(reply.now)
         .arg(server.as_str())
         .query_async(&mut conn.clone())
         .await?;
-    Ok(fenced_at)
+    Ok(Recorded {
+        fenced_at_ms: reply.fenced_at,
+        unknown: false,
+    })
 }
 
-/// record.lua's reply: {the unix ms of the first verdict, Redis's time now (unix ms)}.
-struct Recorded {
+/// One call of record.lua.
+async fn record_once(
+    conn: &RedisConn,
+    keys: &Keys,
+    server: &ServerId,
+    entry: Option<&str>,
+    lifetimes: Lifetimes,
+) -> Result<RecordReply> {
+    let mut call = RECORD.prepare_invoke();
+    call.key(keys.server_fence(server))
+        .key(keys.server_alive(server))
+        .key(keys.server_users(server))
+        .key(keys.server_walking(server))
+        .key(keys.server_moved(server));
+    if !conn.is_cluster() {
+        call.key(keys.servers());
+    }
+    call.arg(lifetimes.ttl_ms)
+        .arg(entry.unwrap_or(""))
+        .arg(lifetimes.unknown_ttl_ms)
+        .arg(server.as_str());
+    Ok(call.invoke_async(&mut conn.clone()).await?)
+}
+
+/// record.lua's reply: {the unix ms of the first verdict, Redis's time now (unix ms),
+/// whether the registry does not know the server}.
+struct RecordReply {
     fenced_at: u64,
     now: u64,
+    unknown: bool,
 }
 
-impl redis::FromRedisValue for Recorded {
+impl redis::FromRedisValue for RecordReply {
     fn from_redis_value(v: redis::Value) -> std::result::Result<Self, redis::ParsingError> {
-        let mut f = crate::reply::Fields::new("fence/record.lua", v, 2)?;
-        Ok(Recorded {
+        let mut f = crate::reply::Fields::new("fence/record.lua", v, 3)?;
+        Ok(RecordReply {
             fenced_at: f.next("fenced_at_ms")?,
             now: f.next("now")?,
+            unknown: f.next("unknown")?,
         })
     }
 }
@@ -128,7 +240,10 @@ pub async fn standing(
     prune_after_ms: Option<u64>,
 ) -> Result<Vec<Fence>> {
     if let Some(ttl_ms) = prune_after_ms {
-        let oldest = crate::now_ms().saturating_sub(ttl_ms);
+        // By Redis's time, which the scores are.
+        let oldest = crate::clock::now_ms(conn, keys)
+            .await?
+            .saturating_sub(ttl_ms);
         let _: i64 = redis::cmd("ZREMRANGEBYSCORE")
             .arg(keys.fences())
             .arg("-inf")

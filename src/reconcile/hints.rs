@@ -231,10 +231,10 @@ impl Reconciler {
     pub(super) async fn on_expiry(&self, server: &ServerId) {
         for _ in 0..3 {
             match self.check(server).await {
-                Ok(Verdict::TooRecent { heartbeat_ms }) => {
-                    let due = heartbeat_ms + self.settings.heartbeat_grace_ms + 50;
-                    tokio::time::sleep(Duration::from_millis(due.saturating_sub(crate::now_ms())))
-                        .await;
+                // Measured on Redis's clock by the check itself: no local clock is read.
+                Ok(Verdict::TooRecent { remaining_ms, .. }) => {
+                    let wait = remaining_ms.min(self.settings.heartbeat_grace_ms);
+                    tokio::time::sleep(Duration::from_millis(wait + 50)).await;
                 }
                 Ok(Verdict::Waiting { remaining_ms }) => {
                     tokio::time::sleep(Duration::from_millis(remaining_ms + 50)).await;

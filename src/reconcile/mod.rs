@@ -64,8 +64,12 @@ pub enum Verdict {
     Published(String),
     /// Its liveness key exists.
     Alive,
-    /// No liveness key, but its last heartbeat is within the grace period.
-    TooRecent { heartbeat_ms: u64 },
+    /// No liveness key, but its last heartbeat is within the grace period: its score
+    /// (Redis time, unix ms), and how long until it is past the grace.
+    TooRecent {
+        heartbeat_ms: u64,
+        remaining_ms: u64,
+    },
     /// Dead, and already reported within the marker's window.
     AlreadyReported,
     /// Fenced, with nothing left to clean: not reported again (while the fence stands).
@@ -165,6 +169,8 @@ pub struct Reconciler {
     /// Holds verdicts on silent servers until Redis has been reachable for a full grace
     /// after an outage; told of every failed call.
     reach: Arc<Reachable>,
+    /// A score in the future could not be lowered (said once; see [`crate::clock`]).
+    lowering_refused: std::sync::atomic::AtomicBool,
 }
 
 impl Reconciler {
@@ -192,6 +198,7 @@ impl Reconciler {
             hinted: Mutex::default(),
             guard: crate::guard::Guard::new(Keys::for_settings(settings), settings),
             reach: Arc::new(Reachable::new(settings, metrics.clone())),
+            lowering_refused: Default::default(),
             metrics,
         })
     }
@@ -230,10 +237,6 @@ impl Reconciler {
             failing: self.failing.clone(),
             format: None,
         }
-    }
-
-    fn cutoff_ms(&self) -> u64 {
-        crate::now_ms().saturating_sub(self.settings.heartbeat_grace_ms)
     }
 
     /// `reconcile --once`: one pass and one complete sweep, each step retried through

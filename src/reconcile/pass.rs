@@ -14,6 +14,7 @@ use tracing::{info, warn};
 
 use super::{PassReport, Reconciler, Verdict, PAGE};
 use crate::{
+    clock,
     conn::RedisConn,
     error::Result,
     event::{ServerDead, ServerId},
@@ -58,10 +59,11 @@ impl Reconciler {
             call.key(key);
         }
         call.arg(server.as_str())
-            .arg(self.cutoff_ms())
+            .arg(self.settings.heartbeat_grace_ms)
             .arg(event.encode())
             .arg(marker_ttl)
-            .arg(if hold.is_ready() { "0" } else { "1" });
+            .arg(if hold.is_ready() { "0" } else { "1" })
+            .arg(self.tolerance_ms());
         let found: Found = call.invoke_async(&mut self.conn.clone()).await?;
         Ok(match found {
             Found::Published { entry } => {
@@ -70,7 +72,13 @@ impl Reconciler {
                 Verdict::Published(entry)
             }
             Found::Alive => Verdict::Alive,
-            Found::TooRecent { heartbeat_ms } => Verdict::TooRecent { heartbeat_ms },
+            Found::TooRecent {
+                heartbeat_ms,
+                remaining_ms,
+            } => Verdict::TooRecent {
+                heartbeat_ms,
+                remaining_ms,
+            },
             Found::AlreadyReported => Verdict::AlreadyReported,
             Found::FencedClean => Verdict::FencedClean,
             Found::Waiting => Verdict::Waiting {
@@ -88,8 +96,6 @@ impl Reconciler {
         marker_ttl: u64,
         hold: Hold,
     ) -> Result<Verdict> {
-        // Taken before any round trip: a stall meanwhile only makes it more careful.
-        let cutoff = self.cutoff_ms();
         let mut c = self.conn.clone();
         // A fenced server is dead whatever its heartbeat says (the script checks again).
         if !crate::fence::is_fenced(&self.conn, &self.keys, server).await? {
@@ -106,14 +112,19 @@ impl Reconciler {
                     }
                 });
             }
-            let score: Option<f64> = redis::cmd("ZSCORE")
-                .arg(self.keys.servers())
-                .arg(server.as_str())
-                .query_async(&mut c)
-                .await?;
-            if let Some(score) = score.filter(|&s| s as u64 > cutoff) {
+            // The score and Redis's time, in the slot of `servers` (a score in the future
+            // lowered first: see `crate::clock`).
+            let seen = self.lowered(&[server.as_str()]).await?;
+            let grace = self.settings.heartbeat_grace_ms;
+            // A score still in the future (its lowering refused) counts as now, as in
+            // report_dead.lua.
+            let ceiling = (seen.now_ms + self.tolerance_ms()) as f64;
+            let score = seen.scores[0].map(|s| if s > ceiling { seen.now_ms as f64 } else { s });
+            if let Some(score) = score.filter(|&s| !clock::is_past_grace(s, seen.now_ms, grace)) {
+                let heartbeat_ms = score as u64;
                 return Ok(Verdict::TooRecent {
-                    heartbeat_ms: score as u64,
+                    heartbeat_ms,
+                    remaining_ms: (heartbeat_ms + grace).saturating_sub(seen.now_ms),
                 });
             }
         }
@@ -163,18 +174,21 @@ impl Reconciler {
         }
     }
 
-    /// One pass over `servers`: checks every server whose heartbeat is older than the
-    /// grace period, and every fenced server (see the module docs).
+    /// One pass over `servers`: lowers the scores that lie in the future (see
+    /// [`crate::clock`]), then checks every server whose heartbeat is older than the
+    /// grace period by Redis's time, and every fenced server (see the module docs).
     pub async fn pass(&self) -> Result<PassReport> {
         let mut report = PassReport::default();
         // Observed once before the candidates are listed; each check looks again.
         self.hold().await?;
-        let cutoff = self.cutoff_ms();
+        // Taken before the list: a stall meanwhile only makes it more careful.
+        let now = self.lower_scores_ahead().await?;
+        let grace = self.settings.heartbeat_grace_ms;
         let mut candidates: std::collections::BTreeSet<String> = self
             .known_servers()
             .await?
             .into_iter()
-            .filter(|(_, score)| *score <= cutoff as f64)
+            .filter(|(_, score)| clock::is_past_grace(*score, now, grace))
             .map(|(member, _)| member)
             .collect();
         let fences =
@@ -206,9 +220,52 @@ impl Reconciler {
         Ok(report)
     }
 
-    /// Live servers: a liveness key, or a heartbeat within the grace period.
+    /// The tolerance of a score in the future ([`clock::tolerance_ms`]).
+    pub(super) fn tolerance_ms(&self) -> u64 {
+        clock::tolerance_ms(self.settings.heartbeat_grace_ms)
+    }
+
+    /// Redis's time and the scores of `members`, those in the future lowered first
+    /// ([`clock::lower`]).
+    pub(super) async fn lowered(&self, members: &[&str]) -> Result<clock::Lowered> {
+        let seen = clock::lower(&self.conn, &self.keys, self.tolerance_ms(), members).await?;
+        if seen.refused > 0
+            && !self
+                .lowering_refused
+                .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            warn!(
+                refused = seen.refused,
+                "`servers` holds scores in the future (a writer scoring with a clock that runs \
+                 ahead) that could not be lowered to Redis's time: ZADD on `servers` was refused \
+                 (an ACL without it, see k8s/redis-acl.example.conf, or Redis out of memory); \
+                 such servers are declared dead only once their score is past"
+            );
+        }
+        Ok(seen)
+    }
+
+    /// Lowers every score of `servers` in the future to Redis's time; returns that time.
+    pub(super) async fn lower_scores_ahead(&self) -> Result<u64> {
+        loop {
+            let seen = self.lowered(&[]).await?;
+            if seen.lowered > 0 {
+                tracing::debug!(
+                    lowered = seen.lowered,
+                    "`servers` scores in the future (written with a clock that runs ahead) lowered to Redis's time"
+                );
+            }
+            if seen.lowered < clock::LOWER_PAGE as u64 {
+                return Ok(seen.now_ms);
+            }
+        }
+    }
+
+    /// Live servers: a liveness key, or a heartbeat within the grace period (by Redis's
+    /// time).
     pub async fn live_servers(&self) -> Result<Vec<ServerId>> {
-        let cutoff = self.cutoff_ms();
+        let now = clock::now_ms(&self.conn, &self.keys).await?;
+        let grace = self.settings.heartbeat_grace_ms;
         let mut live = Vec::new();
         let servers: Vec<(ServerId, f64)> = self
             .known_servers()
@@ -219,7 +276,7 @@ impl Reconciler {
         let ids: Vec<ServerId> = servers.iter().map(|(s, _)| s.clone()).collect();
         let alive = crate::registry::have_liveness_keys(&self.conn, &self.keys, &ids).await?;
         for ((server, score), has_key) in servers.into_iter().zip(alive) {
-            if has_key || score as u64 > cutoff {
+            if has_key || !clock::is_past_grace(score, now, grace) {
                 live.push(server);
             }
         }
@@ -227,9 +284,10 @@ impl Reconciler {
     }
 }
 
-/// Counts servers that are dead now (stale heartbeat and no liveness key), read-only.
+/// Counts servers that are dead now (heartbeat older than the grace by Redis's time, and
+/// no liveness key), read-only.
 pub async fn count_dead(conn: &RedisConn, keys: &Keys, grace_ms: u64) -> Result<u64> {
-    let cutoff = crate::now_ms().saturating_sub(grace_ms);
+    let cutoff = clock::now_ms(conn, keys).await?.saturating_sub(grace_ms);
     let stale: Vec<String> = redis::cmd("ZRANGEBYSCORE")
         .arg(keys.servers())
         .arg("-inf")
@@ -251,8 +309,12 @@ enum Found {
     Published { entry: String },
     /// The liveness key exists (0).
     Alive,
-    /// The last heartbeat is within the grace period (2, detail its score).
-    TooRecent { heartbeat_ms: u64 },
+    /// The last heartbeat is within the grace period (2, detail its score, then the ms
+    /// until it is past the grace, both by Redis's time).
+    TooRecent {
+        heartbeat_ms: u64,
+        remaining_ms: u64,
+    },
     /// Another reconciler reported it within the marker's lifetime (3).
     AlreadyReported,
     /// Fenced, with nothing left to clean (4).
@@ -263,14 +325,16 @@ enum Found {
 
 impl redis::FromRedisValue for Found {
     fn from_redis_value(v: redis::Value) -> std::result::Result<Self, redis::ParsingError> {
-        let mut f = Fields::new("report_dead.lua", v, 2)?;
+        let mut f = Fields::new("report_dead.lua", v, 3)?;
         let verdict: i64 = f.next("verdict")?;
         let detail: String = f.next("detail")?;
+        let wait: u64 = f.next("wait")?;
         Ok(match verdict {
             1 => Found::Published { entry: detail },
             0 => Found::Alive,
             2 => Found::TooRecent {
                 heartbeat_ms: detail.parse::<f64>().map_or(0, |f| f as u64),
+                remaining_ms: wait,
             },
             3 => Found::AlreadyReported,
             4 => Found::FencedClean,
@@ -325,6 +389,7 @@ mod tests {
         Value::Array(vec![
             Value::Int(verdict),
             Value::BulkString(detail.as_bytes().to_vec()),
+            Value::Int(if verdict == 2 { 1_500 } else { 0 }),
         ])
     }
 
@@ -341,7 +406,8 @@ mod tests {
         assert_eq!(
             decode(2, "1700000000000"),
             Found::TooRecent {
-                heartbeat_ms: 1_700_000_000_000
+                heartbeat_ms: 1_700_000_000_000,
+                remaining_ms: 1_500
             }
         );
         assert_eq!(decode(3, ""), Found::AlreadyReported);

@@ -23,23 +23,17 @@ static SWEEP_REVERSE: LazyLock<redis::Script> =
     LazyLock::new(|| crate::forward::with_prelude(include_str!("sweep_reverse.lua")));
 
 impl Reconciler {
-    /// The cutoff of the forward sweep: an owner with no liveness key and no heartbeat
-    /// newer than this is dead. While the guard holds a verdict of a mass silence or sees
-    /// one (see [`crate::guard`]), silence proves nothing: the cutoff is 0, and only
-    /// entries of fenced owners and of owners unknown to `servers` go. (A disputed hold
-    /// needs nothing here: its server has a liveness key.) The cutoff is taken before
-    /// the guard's round trips, so that a stall meanwhile only makes it more careful.
-    pub(super) async fn sweep_cutoff_ms(&self) -> Result<u64> {
-        let cutoff = self.cutoff_ms();
-        if self.settings.guard
+    /// Whether silence proves death to the forward sweep now: an owner with no liveness
+    /// key and no heartbeat within the grace (by Redis's time) is dead. While the guard
+    /// holds a verdict of a mass silence or sees one (see [`crate::guard`]), silence
+    /// proves nothing (false): only entries of fenced owners and of owners unknown to
+    /// `servers` go. (A disputed hold needs nothing here: its server has a liveness key.)
+    pub(super) async fn silence_proves_death(&self) -> Result<bool> {
+        Ok(!(self.settings.guard
             && (self.guard.holds_mass_silence(&self.conn).await?
                 || self
                     .guard
-                    .is_mass_silence(self.guard.census(&self.conn).await?))
-        {
-            return Ok(0);
-        }
-        Ok(cutoff)
+                    .is_mass_silence(self.guard.census(&self.conn).await?))))
     }
 
     /// One step of the forward sweep; `cursor` None resumes from the stored cursor.
@@ -47,7 +41,7 @@ impl Reconciler {
     /// reachable for a full grace since its last outage, only entries of fenced owners
     /// are deleted.
     pub async fn sweep_step(&self, cursor: Option<&str>) -> Result<(String, u64, u64)> {
-        let cutoff = self.sweep_cutoff_ms().await?;
+        let silence = self.silence_proves_death().await?;
         // Read last, right before the step: an outage during the reads above holds it.
         let hold = self.hold().await?;
         let pattern = match self.settings.layout {
@@ -64,7 +58,11 @@ impl Reconciler {
         call.arg(self.settings.layout.as_str())
             .arg(self.settings.sweep_count)
             .arg(self.keys.prefix())
-            .arg(cutoff)
+            .arg(if silence {
+                self.settings.heartbeat_grace_ms.to_string()
+            } else {
+                "-1".to_owned()
+            })
             .arg(pattern)
             .arg(cursor.unwrap_or(""))
             .arg(if hold.is_ready() { "0" } else { "1" });

@@ -301,21 +301,15 @@ impl Reconciler {
                 by_owner.entry(owner).or_default().push(user.clone());
             }
         }
+        if by_owner.is_empty() {
+            return Ok(0);
+        }
         let owners: Vec<&ServerId> = by_owner.keys().collect();
         let exists = owners
             .iter()
             .map(|s| {
                 redis::cmd("EXISTS")
                     .arg(self.keys.server_alive(s))
-                    .to_owned()
-            })
-            .collect();
-        let scores = owners
-            .iter()
-            .map(|s| {
-                redis::cmd("ZSCORE")
-                    .arg(self.keys.servers())
-                    .arg(s.as_str())
                     .to_owned()
             })
             .collect();
@@ -328,17 +322,27 @@ impl Reconciler {
             })
             .collect();
         let alive: Vec<bool> = conn::each_in_flight(&self.conn, exists).await?;
-        let scores: Vec<Option<f64>> = conn::each_in_flight(&self.conn, scores).await?;
+        // The scores and Redis's time, in the slot of `servers`.
+        let names: Vec<&str> = owners.iter().map(|s| s.as_str()).collect();
+        let seen = self.lowered(&names).await?;
+        let (now, scores) = (seen.now_ms, seen.scores);
         let fenced: Vec<bool> = conn::each_in_flight(&self.conn, fences).await?;
         // Read after the owners: an outage meanwhile holds these verdicts too.
         let holding = !self.hold().await?.is_ready();
-        let cutoff = self.sweep_cutoff_ms().await?;
+        let silence = self.silence_proves_death().await?;
+        let grace = self.settings.heartbeat_grace_ms;
         let mut removed = 0;
         let states = alive.into_iter().zip(scores).zip(fenced);
         for ((owner, users), ((has_key, score), fenced)) in by_owner.iter().zip(states) {
             // Fenced: declared dead for good, whatever its liveness key says. Others only
             // once Redis has been reachable for a full grace.
-            let dead = fenced || (!holding && !has_key && score.is_none_or(|s| s as u64 <= cutoff));
+            // While silence proves nothing, only a score of 0 (a walk's own, see
+            // clean_step.lua) is past.
+            let past = |s: f64| match silence {
+                true => crate::clock::is_past_grace(s, now, grace),
+                false => s <= 0.0,
+            };
+            let dead = fenced || (!holding && !has_key && score.is_none_or(past));
             if dead {
                 let checked = crate::forward::check_delete(
                     &self.conn,

@@ -3,7 +3,8 @@
 -- Scans the next COUNT entries (HSCAN of `registry`, SCAN of `user:*`, or
 -- SCAN of the Hashes `user:{*}:conns`, each entry a connection) from the cursor
 -- stored in the sweep hash, and deletes every entry whose owner is dead: fenced (declared
--- dead for good), or no liveness key and no heartbeat in `servers` newer than the cutoff. Such entries are stale whether or
+-- dead for good), or no liveness key and no heartbeat in `servers` within the grace, by
+-- Redis's time (TIME: the protocol writes scores with it). Such entries are stale whether or
 -- not an index still lists them (their reverse set may have been lost). Owner lookups
 -- are cached per step; the owner check and the delete are this one atomic script.
 --
@@ -12,7 +13,9 @@
 -- empty event_id (no `server.dead` caused it), in this same script.
 --
 -- KEYS[1] registry  KEYS[2] sweep hash (janitor's own)  KEYS[3] servers  KEYS[4] evictions
--- ARGV[1] 'hash', 'keys' or 'conns'  ARGV[2] COUNT  ARGV[3] key prefix  ARGV[4] cutoff (unix ms)
+-- ARGV[1] 'hash', 'keys' or 'conns'  ARGV[2] COUNT  ARGV[3] key prefix
+-- ARGV[4] heartbeat_grace_ms, or -1 while silence proves nothing (a mass silence): then
+--         only owners without any heartbeat in `servers` (or fenced) are dead
 -- ARGV[5] MATCH pattern of forward keys (layouts keys and conns)  ARGV[6] cursor, or '' for the stored one
 -- ARGV[7] '1' while Redis has not been reachable for a full grace since its last outage
 --         (src/guard/reachable.rs): only entries of fenced owners are deleted then
@@ -20,7 +23,12 @@
 
 local registry_key, sweep_key, servers_key = KEYS[1], KEYS[2], KEYS[3]
 local layout = ARGV[1]
-local prefix, cutoff = ARGV[3], tonumber(ARGV[4])
+local prefix, grace = ARGV[3], tonumber(ARGV[4])
+local cutoff = 0
+if grace >= 0 then
+  local t = redis.call('TIME')
+  cutoff = t[1] * 1000 + math.floor(t[2] / 1000) - grace
+end
 local cursor = ARGV[6]
 local holding = ARGV[7] == '1'
 local evictions = KEYS[4]

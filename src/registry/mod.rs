@@ -9,6 +9,7 @@
 //! |--------------|-----------------|-------------------------------------------------------|
 //! | register     | register.lua    | fence check, forward entry, reverse-set member        |
 //! | heartbeat    | heartbeat.lua   | fence check, liveness key (PX), `servers` score        |
+//! | (cluster)    | heartbeat_servers.lua | the `servers` score, after heartbeat.lua        |
 //! | unregister   | unregister.lua  | forward entry if still ours, fence check, SREM        |
 //! | route        | route.lua       | the owner, unless fenced or not alive (reads only)     |
 //! | (cluster)    | release.lua     | forward entry deleted only if it names the server     |
@@ -64,6 +65,8 @@ static REGISTER: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(include_str!("../../protocol/register.lua")));
 static HEARTBEAT: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(include_str!("../../protocol/heartbeat.lua")));
+static HEARTBEAT_SERVERS: LazyLock<redis::Script> =
+    LazyLock::new(|| redis::Script::new(include_str!("../../protocol/heartbeat_servers.lua")));
 static UNREGISTER: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(include_str!("../../protocol/unregister.lua")));
 mod conns;
@@ -373,9 +376,11 @@ impl Registry {
     }
 
     /// Refreshes the server's liveness key (TTL `ttl_ms`) and its `servers` score
-    /// (heartbeat.lua); [`Error::Fenced`] once the server is fenced, with nothing written.
+    /// (heartbeat.lua; on a cluster, then heartbeat_servers.lua in the slot of
+    /// `servers`); [`Error::Fenced`] once the server is fenced, with nothing written. The
+    /// score is Redis's time: this process's clock plays no part (it is still sent, as
+    /// the script's third argument, which the script accepts and does not use).
     pub async fn heartbeat(&self, conn: &RedisConn, server: &ServerId, ttl_ms: u64) -> Result<()> {
-        let now = crate::now_ms();
         let mut call = HEARTBEAT.prepare_invoke();
         call.key(self.keys.server_fence(server))
             .key(self.keys.server_refusals(server))
@@ -383,15 +388,14 @@ impl Registry {
         if !conn.is_cluster() {
             call.key(self.keys.servers());
         }
-        call.arg(server.as_str()).arg(ttl_ms).arg(now);
+        call.arg(server.as_str()).arg(ttl_ms).arg(crate::now_ms());
         unless_fenced(call.invoke_async::<i64>(&mut conn.clone()).await, server)?;
         if conn.is_cluster() {
             // `servers` is in another slot: its score follows a heartbeat that was taken.
-            let _: i64 = redis::cmd("ZADD")
-                .arg(self.keys.servers())
-                .arg(now)
+            let _: i64 = HEARTBEAT_SERVERS
+                .key(self.keys.servers())
                 .arg(server.as_str())
-                .query_async(&mut conn.clone())
+                .invoke_async(&mut conn.clone())
                 .await?;
         }
         Ok(())

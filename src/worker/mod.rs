@@ -91,6 +91,10 @@ impl Worker {
                 settings.chunks_in_flight,
             )
             .fence_ttl(settings.fence_ttl_ms)
+            .fence_unknown(
+                settings.fence_unknown_ttl_ms,
+                metrics.unknown_server_verdicts.clone(),
+            )
             .format(build)
             .counting_errors(metrics.redis_errors.clone())
             // One window for the whole process: every cleanup it runs shares it.

@@ -16,6 +16,7 @@ import { stillWanted, type Attempt } from './retry.js';
 
 export const SCRIPT_NAMES = [
   'heartbeat',
+  'heartbeat_servers',
   'register',
   'unregister',
   'release',

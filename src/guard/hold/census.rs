@@ -76,9 +76,12 @@ impl Guard {
     }
 }
 
-/// See [`Guard::census`].
+/// See [`Guard::census`]. The window is measured on Redis's clock, as the scores are
+/// written (see [`crate::clock`]).
 async fn take_census(conn: &RedisConn, keys: &Keys, window_ms: u64) -> Result<Census> {
-    let since = crate::now_ms().saturating_sub(window_ms);
+    let since = crate::clock::now_ms(conn, keys)
+        .await?
+        .saturating_sub(window_ms);
     let recent: Vec<String> = redis::cmd("ZRANGEBYSCORE")
         .arg(keys.servers())
         .arg(since)

@@ -255,7 +255,9 @@ impl Guard {
             )
         } else {
             let census = self.census(conn).await?;
-            if self.is_mass_silence(census) {
+            // A server the registry does not know has nothing to lose to a verdict (its
+            // fence is short-lived, see `crate::fence`): holding it protects nothing.
+            if self.is_mass_silence(census) && !is_unknown(conn, &self.keys, server).await? {
                 (
                     Some(Doubt::MassSilence),
                     format!(
@@ -328,7 +330,7 @@ impl Guard {
         let Ok(server) = ServerId::parse(&hold.server_id) else {
             return Ok(());
         };
-        let (alive, score) = liveness(conn, &self.keys, &server).await?;
+        let (alive, score, redis_now) = liveness(conn, &self.keys, &server).await?;
         if hold.state == HoldState::Held {
             if alive && hold.doubt == Doubt::MassSilence {
                 stream::ack(conn, &self.keys, &hold.entry).await?;
@@ -348,14 +350,19 @@ impl Guard {
                 && !self.is_mass_silence(self.census(conn).await?);
             // The hold's grace counts from its start too: after a long gap (Redis
             // unreachable for longer than the grace), a fresh hold still waits it out.
-            let silent_since = score.map_or(hold.since_ms, |s| (s as u64).max(hold.since_ms));
-            let waited = !alive && now.saturating_sub(silent_since) >= self.hold_grace_ms;
+            // Each on its own clock: the heartbeat's age on Redis's (the score's), the
+            // hold's on this worker's (its `since_ms`).
+            let heartbeat_silent_ms =
+                score.map_or(u64::MAX, |s| redis_now.saturating_sub(s as u64));
+            let held_ms = now.saturating_sub(hold.since_ms);
+            let silent_ms = heartbeat_silent_ms.min(held_ms);
+            let waited = !alive && silent_ms >= self.hold_grace_ms;
             if settled || waited {
                 if release(conn, &self.keys, hold, self.claim_min_idle_ms).await? {
                     report.released += 1;
                     info!(
                         server_id = %hold.server_id, entry = %hold.entry, event_id = %hold.event_id,
-                        silent_ms = now.saturating_sub(silent_since),
+                        silent_ms,
                         "guard: held verdict proceeds, {}",
                         if settled {
                             "its server has fallen silent too, with no mass silence around it"
@@ -436,8 +443,33 @@ fn standing_decision(standing: Hold, entry: &str) -> Decision {
     }
 }
 
-/// Whether `server`'s liveness key exists, and its last heartbeat in `servers`.
-async fn liveness(conn: &RedisConn, keys: &Keys, server: &ServerId) -> Result<(bool, Option<f64>)> {
+/// Whether the registry does not know `server`: no reverse set, no set being walked or
+/// set aside, and not in `servers` (its liveness key was checked before).
+async fn is_unknown(conn: &RedisConn, keys: &Keys, server: &ServerId) -> Result<bool> {
+    let sets: u64 = redis::cmd("EXISTS")
+        .arg(keys.server_users(server))
+        .arg(keys.server_walking(server))
+        .arg(keys.server_moved(server))
+        .query_async(&mut conn.clone())
+        .await?;
+    if sets > 0 {
+        return Ok(false);
+    }
+    let score: Option<f64> = redis::cmd("ZSCORE")
+        .arg(keys.servers())
+        .arg(server.as_str())
+        .query_async(&mut conn.clone())
+        .await?;
+    Ok(score.is_none())
+}
+
+/// Whether `server`'s liveness key exists, its last heartbeat in `servers`, and Redis's
+/// time in the slot of `servers` (the clock of that score, see [`crate::clock`]).
+async fn liveness(
+    conn: &RedisConn,
+    keys: &Keys,
+    server: &ServerId,
+) -> Result<(bool, Option<f64>, u64)> {
     let mut c = conn.clone();
     let alive: bool = redis::cmd("EXISTS")
         .arg(keys.server_alive(server))
@@ -448,5 +480,6 @@ async fn liveness(conn: &RedisConn, keys: &Keys, server: &ServerId) -> Result<(b
         .arg(server.as_str())
         .query_async(&mut c)
         .await?;
-    Ok((alive, score))
+    let now = crate::clock::now_ms(conn, keys).await?;
+    Ok((alive, score, now))
 }

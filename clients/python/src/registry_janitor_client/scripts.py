@@ -15,6 +15,7 @@ from typing import Mapping
 
 NAMES = (
     "heartbeat",
+    "heartbeat_servers",
     "register",
     "unregister",
     "release",
