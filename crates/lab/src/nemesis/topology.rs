@@ -145,7 +145,7 @@ impl Topology {
     }
 }
 
-/// A busy loop on Redis's clock for ARGV[1] ms; reads only, so that nothing is left half
+/// A busy loop on Redis's clock for `ARGV[1]` ms; reads only, so that nothing is left half
 /// done if it were killed.
 const BUSY_LOOP: &str = r"
 local t = redis.call('TIME')
