@@ -40,7 +40,6 @@ fn replica_of(cluster: &RedisCluster, master: usize) -> usize {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "under load, the worker's redis-rs cluster connection can stop answering (every command times out) after the failover: the known defect in docs/topologies.md; run with --ignored"]
 async fn a_master_killed_after_the_walk_with_its_replica_behind_loses_no_delete() {
     init_logs();
     if !RedisCluster::supported() {

@@ -23,7 +23,6 @@ use std::time::Duration;
 
 use redis::{
     aio::{ConnectionManager, ConnectionManagerConfig},
-    cluster_async::ClusterConnection,
     IntoConnectionInfo, RedisFuture,
 };
 
@@ -33,11 +32,13 @@ use crate::{
 };
 
 mod cluster;
+mod cluster_conn;
 mod commands;
 mod sentinel;
 pub use cluster::{
     cluster_epoch, cluster_masters, key_slot, node_client, wait_replicated, Replicated, SlotOwners,
 };
+pub use cluster_conn::{ClusterConn, REBUILD_AFTER};
 pub use commands::{delete_prefixed, each_in_flight, scan_page, transaction};
 pub use sentinel::{SentinelConn, SentinelTarget};
 
@@ -137,11 +138,15 @@ fn config(response_timeout: Duration) -> ConnectionManagerConfig {
 /// Sentinel names. Cheap to clone: clones share the underlying multiplexed connection.
 ///
 /// On a cluster it also holds the slot map as this process last read it
-/// ([`RedisConn::slot_owners`]), shared by the clones.
+/// ([`RedisConn::slot_owners`]), shared by the clones, and the connection is built again
+/// when it stops answering ([`ClusterConn`]).
 #[derive(Clone)]
 pub enum RedisConn {
     Single(ConnectionManager),
-    Cluster(ClusterConnection, std::sync::Arc<cluster::SlotCache>),
+    Cluster(
+        std::sync::Arc<ClusterConn>,
+        std::sync::Arc<cluster::SlotCache>,
+    ),
     Sentinel(SentinelConn),
 }
 
@@ -153,8 +158,17 @@ impl RedisConn {
     }
 
     /// A connection to the cluster behind `conn`, with an empty slot map.
-    fn cluster(conn: ClusterConnection) -> Self {
-        RedisConn::Cluster(conn, Default::default())
+    fn cluster(conn: ClusterConn) -> Self {
+        RedisConn::Cluster(std::sync::Arc::new(conn), Default::default())
+    }
+
+    /// On a cluster, how many times the connection was built again after it stopped
+    /// answering ([`ClusterConn`]); 0 elsewhere.
+    pub fn rebuilds(&self) -> u64 {
+        match self {
+            RedisConn::Cluster(c, _) => c.rebuilds(),
+            _ => 0,
+        }
     }
 
     /// On a cluster, which master serves each slot: read with CLUSTER SLOTS when first
@@ -195,7 +209,10 @@ impl RedisConn {
         match self {
             RedisConn::Cluster(c, _) => {
                 let route = SingleNodeRoutingInfo::SpecificNode(Route::new(slot, SlotAddr::Master));
-                Ok(c.clone().route_pipeline(pipe, 0, count, route).await?)
+                let (mut conn, generation) = c.current();
+                let result = conn.route_pipeline(pipe, 0, count, route).await;
+                c.observe(generation, &result).await;
+                Ok(result?)
             }
             _ => Ok(pipe.query_async(&mut self.clone()).await?),
         }
@@ -210,8 +227,11 @@ impl RedisConn {
                 let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(
                     Route::new(slot, SlotAddr::Master),
                 ));
+                let (mut conn, generation) = c.current();
+                let result = conn.route_command(cmd, route).await;
+                c.observe(generation, &result).await;
                 // A server error comes back as a value here: made an error again.
-                Ok(c.clone().route_command(cmd, route).await?.extract_error()?)
+                Ok(result?.extract_error()?)
             }
             _ => Ok(cmd.query_async(&mut self.clone()).await?),
         }
@@ -255,8 +275,49 @@ impl redis::aio::ConnectionLike for RedisConn {
 #[allow(clippy::large_enum_variant)]
 pub enum Target {
     Single(redis::Client),
-    Cluster(redis::cluster::ClusterClient),
+    Cluster(ClusterTarget),
     Sentinel(SentinelTarget),
+}
+
+/// What a cluster connection is built from: the seed nodes, the password and the TLS
+/// certificates. Each kind of connection gets a client of its own, with its own response
+/// timeout ([`shared_for`], [`blocking_for`]).
+#[derive(Clone)]
+pub struct ClusterTarget {
+    seeds: Vec<String>,
+    password: Option<String>,
+    certs: Option<redis::TlsCertificates>,
+}
+
+impl ClusterTarget {
+    /// A client whose every attempt waits at most `response_timeout` for its reply, and
+    /// whose every request, its redirections and retries included, at most that plus
+    /// [`COMMAND_TIMEOUT`].
+    fn client(
+        &self,
+        response_timeout: Duration,
+    ) -> redis::RedisResult<redis::cluster::ClusterClient> {
+        let mut builder = redis::cluster::ClusterClientBuilder::new(self.seeds.clone())
+            .connection_timeout(CONNECT_TIMEOUT)
+            .response_timeout(response_timeout)
+            .overall_response_timeout(Some(response_timeout + COMMAND_TIMEOUT))
+            .retries(6);
+        if let Some(password) = &self.password {
+            builder = builder.password(password);
+        }
+        if let Some(certs) = &self.certs {
+            builder = builder.certs(certs.clone());
+        }
+        builder.build()
+    }
+
+    /// A connection whose commands wait at most `response_timeout` for a reply.
+    async fn connect(&self, response_timeout: Duration) -> Result<ClusterConn> {
+        let config = redis::cluster::ClusterConfig::new()
+            .set_response_timeout(response_timeout)
+            .set_connection_timeout(CONNECT_TIMEOUT);
+        Ok(ClusterConn::connect(self.client(response_timeout)?, config).await?)
+    }
 }
 
 /// The target the settings describe (see [`client_for`]; a cluster when `redis_cluster`,
@@ -276,17 +337,15 @@ pub fn target_for(settings: &Settings) -> Result<Target> {
     install_crypto_provider();
     let mut seeds = vec![settings.redis_url.clone()];
     seeds.extend(settings.redis_cluster_seeds.iter().cloned());
-    let mut builder = redis::cluster::ClusterClientBuilder::new(seeds)
-        .connection_timeout(CONNECT_TIMEOUT)
-        .response_timeout(COMMAND_TIMEOUT)
-        .retries(6);
-    if let Some(password) = settings.redis_password()? {
-        builder = builder.password(password.expose());
-    }
-    if let Some(certs) = tls_certificates(settings)? {
-        builder = builder.certs(certs);
-    }
-    Ok(Target::Cluster(builder.build().map_err(|e| {
+    let target = ClusterTarget {
+        seeds,
+        password: settings
+            .redis_password()?
+            .map(|password| password.expose().to_string()),
+        certs: tls_certificates(settings)?,
+    };
+    // Built once here so that unusable settings stop start-up.
+    target.client(COMMAND_TIMEOUT).map_err(|e| {
         if settings.tls_ca_file.is_some() || settings.tls_cert_file.is_some() {
             Error::Setting {
                 name: "tls_ca_file".into(),
@@ -295,14 +354,15 @@ pub fn target_for(settings: &Settings) -> Result<Target> {
         } else {
             e.into()
         }
-    })?))
+    })?;
+    Ok(Target::Cluster(target))
 }
 
 /// The shared connection for short commands.
 pub async fn shared_for(target: &Target) -> Result<RedisConn> {
     match target {
         Target::Single(client) => shared(client),
-        Target::Cluster(client) => Ok(RedisConn::cluster(client.get_async_connection().await?)),
+        Target::Cluster(target) => Ok(RedisConn::cluster(target.connect(COMMAND_TIMEOUT).await?)),
         Target::Sentinel(target) => Ok(RedisConn::Sentinel(SentinelConn::new(
             target.clone(),
             COMMAND_TIMEOUT,
@@ -314,14 +374,9 @@ pub async fn shared_for(target: &Target) -> Result<RedisConn> {
 pub async fn blocking_for(target: &Target, block: Duration) -> Result<RedisConn> {
     match target {
         Target::Single(client) => blocking(client, block),
-        Target::Cluster(client) => {
-            let config = redis::cluster::ClusterConfig::new()
-                .set_response_timeout(block + COMMAND_TIMEOUT)
-                .set_connection_timeout(CONNECT_TIMEOUT);
-            Ok(RedisConn::cluster(
-                client.get_async_connection_with_config(config).await?,
-            ))
-        }
+        Target::Cluster(target) => Ok(RedisConn::cluster(
+            target.connect(block + COMMAND_TIMEOUT).await?,
+        )),
         Target::Sentinel(target) => Ok(RedisConn::Sentinel(SentinelConn::new(
             target.clone(),
             block + COMMAND_TIMEOUT,
