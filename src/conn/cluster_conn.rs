@@ -1,10 +1,9 @@
 //! A cluster connection that is built again when it stops answering.
 //!
 //! redis-rs's cluster connection is one background task fed by a channel. After a live
-//! reshard or a failover on a loaded machine, that task can stay behind a backlog of
-//! requests (each retried on MOVED, ASK and connection errors) for minutes, while every
-//! node answers a fresh client at once: meanwhile each command times out. A process that
-//! kept that connection would wait for the backlog, however long it lasts.
+//! reshard or a failover on a loaded machine, it was seen to answer `timed out` to every
+//! command for minutes while every node answered a fresh client at once (why, inside
+//! redis-rs, is not established). A process that kept that connection would wait as long.
 //!
 //! [`ClusterConn`] holds the current redis-rs connection and watches its results. When
 //! no command has had an answer (a reply or a server error) for [`REBUILD_AFTER`] while
