@@ -2,8 +2,8 @@
 //!
 //! redis-rs's cluster connection is one background task fed by a channel. After a live
 //! reshard or a failover on a loaded machine, it was seen to answer `timed out` to every
-//! command for minutes while every node answered a fresh client at once (why, inside
-//! redis-rs, is not established). A process that kept that connection would wait as long.
+//! command for minutes (why, inside redis-rs, is not established). A process that kept
+//! that connection would wait as long.
 //!
 //! [`ClusterConn`] holds the current redis-rs connection and watches its results. When
 //! no command has had an answer (a reply or a server error) for [`REBUILD_AFTER`] while
