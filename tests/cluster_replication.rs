@@ -7,12 +7,12 @@
 
 mod common;
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use common::*;
 use registry_janitor::{
     config::Layout,
-    conn::{self},
+    conn::{self, ClusterConn, RedisConn},
     keys::Keys,
     registry::Registry,
     status,
@@ -165,4 +165,97 @@ async fn a_master_killed_after_the_walk_with_its_replica_behind_loses_no_delete(
         "live entries lost in the failover"
     );
     worker.stop().await;
+}
+
+/// The end of a cluster walk asks, with WAIT on every master, whether the replicas hold
+/// the walk's deletes (`wait_for_replicas` in src/cleanup/cluster.rs). WAIT counts from
+/// the replication offset of the client connection it is sent on. Once the cluster
+/// connection has been built again (src/conn/cluster_conn.rs), WAIT goes out on a new
+/// connection to each master, one that made none of the deletes: were its offset 0, WAIT
+/// would answer at once that every replica holds everything, and a walk whose
+/// connection is rebuilt between its deletes and its WAIT would be acknowledged while a
+/// replica lacks them. It is not so: Redis 7.0 gives a client the offset of the
+/// replication stream at its last command, and `replicated_on` sends CLUSTER MYID in the
+/// same pipeline before the WAIT, so the new connection's WAIT covers every write made
+/// before it, on whichever connection. This test keeps that reliance checked: a replica
+/// paused (SIGSTOP), a write it cannot hold, the connection built again (the trigger is
+/// made up, as in tests/cluster.rs), and `wait_replicated` must still say the replica
+/// does not hold the write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rebuilt_cluster_connection_still_waits_for_the_replicas() {
+    init_logs();
+    if !RedisCluster::supported() {
+        cannot_run("this redis-server cannot run a cluster (or redis-cli is missing)");
+        return;
+    }
+    // The default node timeout: the paused replica is not flagged failed meanwhile.
+    let cluster = tokio::task::spawn_blocking(|| {
+        RedisCluster::start_with(3, 1, || {
+            vec!["--cluster-node-timeout".to_owned(), "15000".to_owned()]
+        })
+    })
+    .await
+    .unwrap()
+    .expect("start a local cluster");
+    let client = redis::cluster::ClusterClientBuilder::new(cluster.seeds())
+        .response_timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let cc = Arc::new(
+        ClusterConn::connect(
+            client,
+            redis::cluster::ClusterConfig::new().set_response_timeout(Duration::from_secs(5)),
+        )
+        .await
+        .unwrap()
+        .rebuild_after(Duration::ZERO),
+    );
+    let conn = RedisConn::Cluster(cc.clone(), Default::default());
+
+    let key = "rebuilt:wait:k";
+    let victim = cluster
+        .master_of(key.as_bytes())
+        .expect("a master serves the key");
+    let replica = replica_of(&cluster, victim);
+    cluster
+        .wait_replica_caught_up(victim, 256, Duration::from_secs(30))
+        .expect("the replica catches up");
+    cluster.nodes[replica]
+        .signal("STOP")
+        .expect("pause the replica");
+
+    // A write the paused replica cannot hold, made through the connection.
+    let _: () = redis::cmd("SET")
+        .arg(key)
+        .arg("1")
+        .query_async(&mut conn.clone())
+        .await
+        .unwrap();
+    let before = conn::wait_replicated(&conn, Duration::from_millis(1_000))
+        .await
+        .unwrap();
+
+    // The connection is built again (as after 15 s without an answer).
+    let (_, generation) = cc.current();
+    let timed_out: redis::RedisResult<()> =
+        Err(std::io::Error::from(std::io::ErrorKind::TimedOut).into());
+    cc.observe(generation, &timed_out).await;
+    let rebuilt = cc.rebuilds();
+    let after = conn::wait_replicated(&conn, Duration::from_millis(1_000))
+        .await
+        .unwrap();
+    cluster.nodes[replica]
+        .signal("CONT")
+        .expect("resume the replica");
+
+    assert!(
+        !before.all_held(),
+        "the paused replica was counted as holding the write: {before:?}"
+    );
+    assert_eq!(rebuilt, 1, "the connection was not built again");
+    assert!(
+        !after.all_held(),
+        "after the cluster connection was built again, WAIT says every replica holds a \
+         write that the paused replica cannot hold: {after:?}"
+    );
 }

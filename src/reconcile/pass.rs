@@ -49,6 +49,7 @@ impl Reconciler {
                 .check_on_cluster(server, &event, marker_ttl, hold)
                 .await;
         }
+        let bound = self.reach.time_bound_ms();
         let mut call = REPORT_DEAD.prepare_invoke();
         call.key(self.keys.server_alive(server))
             .key(self.keys.servers())
@@ -63,7 +64,8 @@ impl Reconciler {
             .arg(event.encode())
             .arg(marker_ttl)
             .arg(if hold.is_ready() { "0" } else { "1" })
-            .arg(self.tolerance_ms());
+            .arg(self.tolerance_ms())
+            .arg(bound.map_or(String::new(), |b| b.to_string()));
         let found: Found = call.invoke_async(&mut self.conn.clone()).await?;
         Ok(match found {
             Found::Published { entry } => {
@@ -84,6 +86,12 @@ impl Reconciler {
             Found::Waiting => Verdict::Waiting {
                 remaining_ms: hold.remaining_ms(self.settings.heartbeat_grace_ms),
             },
+            Found::ClockAhead { redis_ms } => {
+                self.reach.clock_ran_ahead(redis_ms, bound.unwrap_or(0));
+                Verdict::Waiting {
+                    remaining_ms: self.settings.heartbeat_grace_ms,
+                }
+            }
         })
     }
 
@@ -113,8 +121,16 @@ impl Reconciler {
                 });
             }
             // The score and Redis's time, in the slot of `servers` (a score in the future
-            // lowered first: see `crate::clock`).
+            // lowered first: see `crate::clock`). A time past the guard's bound is a step
+            // of that clock since the guard last observed it: no verdict by it.
+            let bound = self.reach.time_bound_ms();
             let seen = self.lowered(&[server.as_str()]).await?;
+            if let Some(bound) = bound.filter(|&b| seen.now_ms > b) {
+                self.reach.clock_ran_ahead(seen.now_ms, bound);
+                return Ok(Verdict::Waiting {
+                    remaining_ms: self.settings.heartbeat_grace_ms,
+                });
+            }
             let grace = self.settings.heartbeat_grace_ms;
             // A score still in the future (its lowering refused) counts as now, as in
             // report_dead.lua.
@@ -321,6 +337,9 @@ enum Found {
     FencedClean,
     /// Not fenced, and Redis has not been reachable for a full grace (5).
     Waiting,
+    /// Not fenced, and Redis's clock is past the guard's bound: it stepped forward (6,
+    /// detail Redis's time).
+    ClockAhead { redis_ms: u64 },
 }
 
 impl redis::FromRedisValue for Found {
@@ -339,10 +358,13 @@ impl redis::FromRedisValue for Found {
             3 => Found::AlreadyReported,
             4 => Found::FencedClean,
             5 => Found::Waiting,
+            6 => Found::ClockAhead {
+                redis_ms: detail.parse().unwrap_or(0),
+            },
             other => {
                 return Err(malformed(
                     f.script(),
-                    "a verdict from 0 to 5",
+                    "a verdict from 0 to 6",
                     &redis::Value::Int(other),
                 ))
             }

@@ -22,19 +22,28 @@
 -- ARGV[5] '1' while Redis has not been reachable for a full grace since its last outage
 --         (src/guard/reachable.rs): a server that is not fenced is then not declared dead
 -- ARGV[6] tolerance (ms) of a score in the future
+-- ARGV[7] the latest Redis time (unix ms) this call may read if Redis's clock has not
+--         stepped forward since the guard last observed it ('' for no bound): a server
+--         that is not fenced is not judged by a later TIME (src/guard/reachable)
 -- Returns {verdict, detail, wait}: 1 published (detail: entry id); 0 alive (liveness key
 -- exists); 2 heartbeat too recent (detail: its score, Redis time; wait: ms until it is
--- past the grace); 3 already reported; 4 fenced and clean; 5 waiting for reachable time.
+-- past the grace); 3 already reported; 4 fenced and clean; 5 waiting for reachable time;
+-- 6 Redis's clock is past ARGV[7] (detail: Redis time).
 
 if redis.call('EXISTS', KEYS[5]) == 1 then
   if redis.call('EXISTS', KEYS[6], KEYS[7], KEYS[8]) == 0 then return {4, '', 0} end
 else
   if redis.call('EXISTS', KEYS[1]) == 1 then return {0, '', 0} end
   if ARGV[5] == '1' then return {5, '', 0} end
+  -- A step forward of the clock expires liveness keys early and ages every score: the
+  -- TIME that judges is checked first.
+  local t = redis.call('TIME')
+  local now = t[1] * 1000 + math.floor(t[2] / 1000)
+  if ARGV[7] ~= '' and now > tonumber(ARGV[7]) then
+    return {6, string.format('%d', now), 0}
+  end
   local score = redis.call('ZSCORE', KEYS[2], ARGV[1])
   if score then
-    local t = redis.call('TIME')
-    local now = t[1] * 1000 + math.floor(t[2] / 1000)
     local grace = tonumber(ARGV[2])
     local heartbeat = tonumber(score)
     if heartbeat > now + tonumber(ARGV[6]) then

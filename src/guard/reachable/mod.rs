@@ -13,8 +13,8 @@
 //!
 //! where `reachable_since` is the start of the current stretch of time during which Redis
 //! has been continuously reachable and stable. The condition splits in two: the
-//! heartbeat's age, measured as before (the reconciler's clock against the connection
-//! server's score), and the reachable time, measured on **Redis's clock** alone
+//! heartbeat's age (the score against Redis's TIME, see [`crate::clock`]), and the
+//! reachable time, measured on **Redis's clock** alone
 //! (`reachable_since` and "now" both come from TIME), so that no skew between the
 //! reconciler and Redis can shorten it. While the reachable time is shorter than the
 //! grace, verdicts on silent servers wait ([`Hold::Waiting`]); fenced servers stay dead.
@@ -38,7 +38,12 @@
 //! - **clock jump**: between two observations of this process, Redis's TIME (or the
 //!   reconciler's own wall clock) advanced more than the monotonic clock could account
 //!   for, plus the tracker's `tolerance_ms`: a step forward makes every score look old
-//!   (and expires liveness keys early).
+//!   (and expires liveness keys early). A step between two observations is caught by the
+//!   verdict itself: the script that checks a server reads TIME and refuses to judge when
+//!   it is past [`Reachable::time_bound_ms`] (the last observation's TIME plus the
+//!   monotonic time since, plus the tolerance); the reconciler then calls
+//!   [`Reachable::clock_ran_ahead`]. On a cluster, TIME is read on the master of
+//!   `servers`' slot, whose clock the scores are judged by.
 //!
 //! `reachable_since` is also stored in `janitor:{guard}:reachable` (the greatest known
 //! value wins), so an outage that one replica saw holds the verdicts of all of them.
@@ -176,6 +181,35 @@ impl Reachable {
             self.observe(conn).await?;
         }
         Ok(self.current())
+    }
+
+    /// The latest Redis time (unix ms) a verdict may read now, if Redis's clock has not
+    /// stepped forward since the last observation ([`Tracker::redis_time_bound`]). A
+    /// verdict that reads a later TIME in the same script as its checks refuses to
+    /// judge, and calls [`Reachable::clock_ran_ahead`]: a step of Redis's clock between
+    /// two observations ages every score and expires liveness keys early, and the next
+    /// observation would see it too late for a verdict already taken.
+    pub fn time_bound_ms(&self) -> Option<u64> {
+        self.tracker().redis_time_bound(self.mono_ms())
+    }
+
+    /// A verdict read Redis's time `redis_ms`, past [`Reachable::time_bound_ms`]: a step
+    /// forward of Redis's clock. Verdicts on silent servers wait until the next
+    /// observation starts a new stretch of reachable time, a full grace.
+    pub fn clock_ran_ahead(&self, redis_ms: u64, bound_ms: u64) {
+        self.tracker().failed();
+        self.metrics
+            .reconcile_outages
+            .with_label_values(&[Cause::ClockJump.label()])
+            .inc();
+        self.metrics.reconcile_reachable_seconds.set(0.0);
+        warn!(
+            cause = Cause::ClockJump.label(),
+            redis_time_ms = redis_ms,
+            bound_ms,
+            grace_ms = self.grace_ms,
+            "Redis outage (Redis's clock stepped forward, seen by a verdict): verdicts on silent servers wait until Redis has been reachable for a full grace"
+        );
     }
 
     /// The hold as of the last observation, without observing.

@@ -75,13 +75,15 @@ impl Reachable {
             for (host, port) in masters {
                 nodes.push(self.node(&host, port)?);
             }
-            let first = nodes.first().ok_or_else(|| {
-                Error::Redis(redis::RedisError::from((
+            if nodes.is_empty() {
+                return Err(Error::Redis(redis::RedisError::from((
                     redis::ErrorKind::ClusterConnectionNotFound,
                     "the cluster names no master",
-                )))
-            })?;
-            (time_ms(first).await?, nodes)
+                ))));
+            }
+            // The clock the scores are judged by: the master of `servers`' slot.
+            let keys = crate::keys::Keys::for_settings(&self.settings);
+            (crate::clock::now_ms(conn, &keys).await?, nodes)
         } else {
             (time_ms(conn).await?, vec![conn.clone()])
         };

@@ -44,7 +44,8 @@ pub struct Record {
 /// One successful observation of Redis.
 #[derive(Debug, Clone, Default)]
 pub struct Seen {
-    /// Redis's TIME (unix ms); on a cluster, that of the first master.
+    /// Redis's TIME (unix ms); on a cluster, that of the master of `servers`' slot, the
+    /// clock the heartbeats' scores are judged by.
     pub redis_ms: u64,
     /// This process's monotonic clock (ms) when the observation was sent...
     pub sent_mono_ms: u64,
@@ -247,6 +248,15 @@ impl Tracker {
     fn redis_now(&self, mono_now_ms: u64) -> Option<u64> {
         let l = self.last.as_ref()?;
         Some(l.redis_ms + mono_now_ms.saturating_sub(l.received_mono_ms))
+    }
+
+    /// The latest Redis time (unix ms) that can be read at monotonic time `mono_now_ms`
+    /// if Redis's clock has not stepped forward since the last observation: its TIME
+    /// then, plus all the monotonic time since it was sent, plus the tolerance. `None`
+    /// before any observation.
+    pub fn redis_time_bound(&self, mono_now_ms: u64) -> Option<u64> {
+        let l = self.last.as_ref()?;
+        Some(l.redis_ms + mono_now_ms.saturating_sub(l.sent_mono_ms) + self.tolerance_ms)
     }
 
     /// May verdicts on silent servers be taken at monotonic time `mono_now_ms`?
