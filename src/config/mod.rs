@@ -442,6 +442,14 @@ mod tests {
             |s| s.fence_unknown_ttl_ms = s.fence_ttl_ms + 1,
             "fence_unknown_ttl_ms",
         );
+        check(|s| s.stream_max_age_ms = s.retention_ms - 1, "stream_max_age_ms");
+        check(
+            |s| {
+                s.retention_ms = 1000;
+                s.stream_max_age_ms = s.maintenance_interval_ms;
+            },
+            "stream_max_age_ms",
+        );
         check(|s| s.evictions_stream = String::new(), "evictions_stream");
         check(
             |s| s.evictions_stream = "registry:events".into(),
