@@ -442,7 +442,10 @@ mod tests {
             |s| s.fence_unknown_ttl_ms = s.fence_ttl_ms + 1,
             "fence_unknown_ttl_ms",
         );
-        check(|s| s.stream_max_age_ms = s.retention_ms - 1, "stream_max_age_ms");
+        check(
+            |s| s.stream_max_age_ms = s.retention_ms - 1,
+            "stream_max_age_ms",
+        );
         check(
             |s| {
                 s.retention_ms = 1000;
