@@ -282,6 +282,23 @@ async fn a_forgotten_group_no_longer_pins_the_evictions_stream_past_the_hard_bou
         || async { len(&f, &evictions).await == 0 },
     )
     .await;
+    // The group's gauges: its one pending entry stays in its pending list after the
+    // entry itself is trimmed.
+    let pending = || {
+        sample(
+            &worker.metrics.render(),
+            &format!(
+                "registry_janitor_stream_group_pending{{group=\"forgotten\",stream=\"{evictions}\"}}"
+            ),
+        )
+    };
+    wait_until(
+        &f.redis,
+        "the group's gauge",
+        Duration::from_secs(10),
+        || async { pending() == Some(1.0) },
+    )
+    .await;
     let counted = || unacked_trimmed(&worker.metrics, &evictions, "forgotten");
     wait_until(
         &f.redis,
@@ -349,7 +366,7 @@ async fn the_hard_bound_never_trims_what_the_workers_group_still_needs() {
     let report = maintenance::trim_streams(&f.conn, &f.keys, Duration::ZERO, bound)
         .await
         .unwrap();
-    maintenance::observe(&metrics, &report);
+    maintenance::observe(&metrics, &report, &mut Default::default());
     assert_eq!(report.removed, 1);
     assert_eq!(ids(&f).await, later[1..].to_vec());
     assert_eq!(unacked_trimmed(&metrics, &events, "audit"), 1);
@@ -393,7 +410,7 @@ async fn dead_letters_go_past_the_hard_bound_and_are_counted() {
     let report = maintenance::trim_streams(&f.conn, &f.keys, Duration::ZERO, bound)
         .await
         .unwrap();
-    maintenance::observe(&metrics, &report);
+    maintenance::observe(&metrics, &report, &mut Default::default());
     assert_eq!(len(&f, &dead).await, 0);
     assert_eq!(
         counter_of(&metrics, "registry_janitor_dead_letters_expired_total"),

@@ -118,30 +118,32 @@ pub async fn trim_streams(
 }
 
 /// Sets the group gauges from one round's report and counts what the hard bound trimmed.
-pub fn observe(metrics: &Metrics, report: &TrimReport) {
-    for m in [&metrics.stream_group_lag, &metrics.stream_group_pending] {
-        m.reset();
-    }
-    for m in [
-        &metrics.stream_group_oldest_unacked_age,
-        &metrics.stream_group_idle,
-    ] {
-        m.reset();
-    }
+/// `shown` holds the (stream, group) pairs the gauges showed after the last round: a pair
+/// gone since (a group destroyed) is removed from them, and only it, so that a scrape
+/// never finds a standing group's gauges missing.
+pub fn observe(
+    metrics: &Metrics,
+    report: &TrimReport,
+    shown: &mut std::collections::HashSet<(String, String)>,
+) {
     metrics
         .dead_letters_expired
         .inc_by(report.dead_letters_expired);
+    let mut now = std::collections::HashSet::new();
     for g in &report.groups {
         let labels = [g.stream.as_str(), g.group.as_str()];
         metrics
             .stream_unacked_trimmed
             .with_label_values(&labels)
             .inc_by(g.unacked_trimmed);
-        if let Some(lag) = g.lag {
-            metrics
+        match g.lag {
+            Some(lag) => metrics
                 .stream_group_lag
                 .with_label_values(&labels)
-                .set(lag as i64);
+                .set(lag as i64),
+            None => {
+                let _ = metrics.stream_group_lag.remove_label_values(&labels);
+            }
         }
         metrics
             .stream_group_pending
@@ -151,13 +153,27 @@ pub fn observe(metrics: &Metrics, report: &TrimReport) {
             .stream_group_oldest_unacked_age
             .with_label_values(&labels)
             .set(g.oldest_unacked_age_ms.unwrap_or(0) as f64 / 1000.0);
-        if let Some(idle) = g.idle_ms {
-            metrics
+        match g.idle_ms {
+            Some(idle) => metrics
                 .stream_group_idle
                 .with_label_values(&labels)
-                .set(idle as f64 / 1000.0);
+                .set(idle as f64 / 1000.0),
+            None => {
+                let _ = metrics.stream_group_idle.remove_label_values(&labels);
+            }
         }
+        now.insert((g.stream.clone(), g.group.clone()));
     }
+    for (stream, group) in shown.difference(&now) {
+        let labels = [stream.as_str(), group.as_str()];
+        let _ = metrics.stream_group_lag.remove_label_values(&labels);
+        let _ = metrics.stream_group_pending.remove_label_values(&labels);
+        let _ = metrics
+            .stream_group_oldest_unacked_age
+            .remove_label_values(&labels);
+        let _ = metrics.stream_group_idle.remove_label_values(&labels);
+    }
+    *shown = now;
 }
 
 /// Removes consumers idle for at least `idle` with nothing pending; returns their names.
@@ -192,6 +208,7 @@ pub async fn run(
     // interval. Upkeep can wait: its failures do not make the worker unready.
     let mut trimming = Episode::new("trimming the streams", None);
     let mut expiring = Episode::new("removing gone consumers", None);
+    let mut shown = std::collections::HashSet::new();
     loop {
         // Jitter, so that many workers started together do not run in step.
         let jitter = every.mul_f64(rand::random::<f64>() * 0.2);
@@ -205,7 +222,7 @@ pub async fn run(
         match trim_streams(&conn, &keys, retention, max_age).await {
             Ok(report) => {
                 trimming.recovered();
-                observe(&metrics, &report);
+                observe(&metrics, &report, &mut shown);
                 if report.removed > 0 {
                     info!(removed = report.removed, "trimmed the streams");
                 }
