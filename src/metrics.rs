@@ -2,8 +2,8 @@
 //! can run several workers in one process and read each one's numbers).
 
 use prometheus::{
-    Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
-    TextEncoder,
+    Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
+    Opts, Registry, TextEncoder,
 };
 
 /// What building a metric relies on: its name, help and labels are fixed in this file
@@ -149,6 +149,22 @@ pub struct Metrics {
     pub receiver_unauthorized: IntCounter,
     /// Alert receiver: requests being answered now.
     pub receiver_in_flight: IntGauge,
+    /// Stream entries trimmed past `stream_max_age_ms` while a group had not acknowledged
+    /// them (pending or never delivered), by stream and group.
+    pub stream_unacked_trimmed: IntCounterVec,
+    /// Dead letters trimmed past `stream_max_age_ms`, never replayed nor purged.
+    pub dead_letters_expired: IntCounter,
+    /// Each group's entries not yet delivered (`lag`; absent while Redis cannot tell).
+    pub stream_group_lag: IntGaugeVec,
+    /// Each group's pending entries.
+    pub stream_group_pending: IntGaugeVec,
+    /// Age of each group's oldest entry still in the stream it has not acknowledged
+    /// (0: none).
+    pub stream_group_oldest_unacked_age: GaugeVec,
+    /// Idle time of each group's most recently active consumer (absent: no consumer).
+    pub stream_group_idle: GaugeVec,
+    /// The `stream_max_age_ms` setting, in seconds (0: no hard bound).
+    pub stream_max_age: Gauge,
     /// Refusals already counted, per fence and operation.
     fence_refusals_seen:
         std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, [u64; 3]>>>,
@@ -458,6 +474,68 @@ impl Metrics {
         ] {
             registry.register(c).expect(UNIQUE);
         }
+        let stream_group = ["stream", "group"];
+        let stream_unacked_trimmed = IntCounterVec::new(
+            Opts::new(
+                "registry_janitor_stream_unacked_trimmed_total",
+                "Stream entries trimmed past stream_max_age_ms while a consumer group had not acknowledged them (pending or never delivered), by stream and group",
+            ),
+            &stream_group,
+        )
+        .expect(VALID);
+        let dead_letters_expired = IntCounter::new(
+            "registry_janitor_dead_letters_expired_total",
+            "Dead letters trimmed past stream_max_age_ms, never replayed nor purged",
+        )
+        .expect(VALID);
+        let stream_group_lag = IntGaugeVec::new(
+            Opts::new(
+                "registry_janitor_stream_group_lag",
+                "Entries of the stream not yet delivered to the group (Redis's lag; absent while Redis cannot tell), sampled by the stream upkeep",
+            ),
+            &stream_group,
+        )
+        .expect(VALID);
+        let stream_group_pending = IntGaugeVec::new(
+            Opts::new(
+                "registry_janitor_stream_group_pending",
+                "Entries delivered to the group and not acknowledged, sampled by the stream upkeep",
+            ),
+            &stream_group,
+        )
+        .expect(VALID);
+        let stream_group_oldest_unacked_age = GaugeVec::new(
+            Opts::new(
+                "registry_janitor_stream_group_oldest_unacked_age_seconds",
+                "Age of the group's oldest entry still in the stream that it has not acknowledged (pending or not delivered; 0: none), sampled by the stream upkeep",
+            ),
+            &stream_group,
+        )
+        .expect(VALID);
+        let stream_group_idle = GaugeVec::new(
+            Opts::new(
+                "registry_janitor_stream_group_idle_seconds",
+                "Idle time of the group's most recently active consumer (absent: the group has no consumer), sampled by the stream upkeep",
+            ),
+            &stream_group,
+        )
+        .expect(VALID);
+        let stream_max_age = Gauge::new(
+            "registry_janitor_stream_max_age_seconds",
+            "The stream_max_age_ms setting in seconds: the hard bound of the streams (0: none)",
+        )
+        .expect(VALID);
+        for c in [
+            Box::new(stream_unacked_trimmed.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(dead_letters_expired.clone()),
+            Box::new(stream_group_lag.clone()),
+            Box::new(stream_group_pending.clone()),
+            Box::new(stream_group_oldest_unacked_age.clone()),
+            Box::new(stream_group_idle.clone()),
+            Box::new(stream_max_age.clone()),
+        ] {
+            registry.register(c).expect(UNIQUE);
+        }
         Metrics {
             registry,
             events,
@@ -497,6 +575,13 @@ impl Metrics {
             receiver_alerts,
             receiver_unauthorized,
             receiver_in_flight,
+            stream_unacked_trimmed,
+            dead_letters_expired,
+            stream_group_lag,
+            stream_group_pending,
+            stream_group_oldest_unacked_age,
+            stream_group_idle,
+            stream_max_age,
             fence_refusals_seen: Default::default(),
         }
     }

@@ -606,3 +606,63 @@ async fn without_an_outage_a_silent_server_is_found_within_a_grace() {
     worker.stop().await;
     assert_eq!(fleet.stop().await, 0);
 }
+
+/// The reconciler's log of an outage: one warning when it starts, however many calls
+/// fail during it, and one line when Redis answers again, with the outage's duration
+/// (what the operator docs promise). A real reconciler process; Redis paused (SIGSTOP)
+/// for 4 s, during which its passes, its sweep and its observations all fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_is_logged_once_when_it_starts_and_once_when_it_ends() {
+    let f = Fixture::new(Layout::Hash);
+    let reconciler = WorkerProcess::start_command(
+        &f.settings,
+        &[
+            ("JANITOR_HEARTBEAT_GRACE_MS", "2000"),
+            ("JANITOR_RECONCILE_INTERVAL_MS", "200"),
+            ("JANITOR_SWEEP_PAUSE_MS", "20"),
+        ],
+        &["reconcile"],
+    );
+    wait_for(
+        "the reconciler's first pass",
+        Duration::from_secs(30),
+        || async {
+            reconciler
+                .log()
+                .contains("listening for liveness-key expiries")
+        },
+    )
+    .await;
+    f.redis.signal("STOP").unwrap();
+    let paused = Instant::now();
+    tokio::time::sleep(Duration::from_millis(4_000)).await; // the outage, not a wait for a result
+    f.redis.signal("CONT").unwrap();
+    let paused_for = paused.elapsed();
+    let ended = "Redis reachable again after an outage of";
+    wait_for(
+        "the outage's end logged",
+        Duration::from_secs(30),
+        || async { reconciler.log().contains(ended) },
+    )
+    .await;
+    // Some more time with Redis answering: nothing more is logged about that outage.
+    tokio::time::sleep(Duration::from_millis(2_000)).await;
+    let log = reconciler.log();
+    let lines = |what: &str| log.lines().filter(|l| l.contains(what)).collect::<Vec<_>>();
+    assert_eq!(lines("Redis outage").len(), 1, "{log}");
+    let end = lines(ended);
+    assert_eq!(end.len(), 1, "{log}");
+    let outage_ms: u64 = end[0]
+        .split("outage_ms=")
+        .nth(1)
+        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no outage_ms in {}", end[0]));
+    // The outage began at the first failed call (up to a step after the pause began) and
+    // ended when Redis answered again.
+    assert!(
+        outage_ms >= 2_000 && outage_ms <= paused_for.as_millis() as u64 + 10_000,
+        "outage_ms={outage_ms}, paused for {paused_for:?}\n{log}"
+    );
+    drop(reconciler);
+}

@@ -383,3 +383,150 @@ async fn the_reconciler_follows_a_planned_failover() {
     let (status, log) = reconciler.wait(Duration::from_secs(30));
     assert!(status.is_some_and(|s| s.success()), "reconciler: {log}");
 }
+
+/// Every `users.evicted` entry of a stream, as (entry id, user) pairs in stream order.
+async fn announced(conn: &RedisConn, keys: &Keys) -> Vec<(String, Vec<u8>)> {
+    use registry_janitor::evictions::{read_all, Eviction};
+    let mut out = Vec::new();
+    for (id, entry) in read_all(conn, keys).await.unwrap() {
+        if let Some(Eviction::Evicted { users, .. }) = entry {
+            out.extend(users.into_iter().map(|u| (id.clone(), u)));
+        }
+    }
+    out
+}
+
+/// The evictions stream across a Sentinel failover mid-cleanup, with a real loss of the
+/// primary's last writes: the replica is cut off (SIGSTOP, then the primary drops its
+/// link, so that it cannot resynchronise) while the cleanup goes on on the primary, then
+/// the primary is SIGKILLed and the replica promoted. Whatever the primary did after the
+/// cut is lost, whole steps at a time: each step is one script (the deletes, its
+/// `users.evicted` entry and the walk's progress), replicated as one MULTI/EXEC, so the
+/// promoted replica has all of a step or none of it. The walk starts again from 0 there
+/// (its cursor is tied to the old primary's run_id) and deletes, and announces, the
+/// entries whose deletes were lost.
+///
+/// The guarantee asserted: in the end state every user of the dead server is deleted and
+/// announced on the new primary's stream, exactly once there. A consumer that read the
+/// old primary's stream before the failover saw the lost entries too, so it sees those
+/// users twice (at least once). The figures are printed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failover_mid_cleanup_loses_no_eviction_announcement() {
+    let Some(mut f) = SentinelFixture::start(&[]).await else {
+        return;
+    };
+    let dead = server("gw-dead#1");
+    const USERS: usize = 60_000;
+    seed(&f.registry, &f.conn, &dead, USERS).await;
+    f.settings.chunk_size = 20;
+    let env = f.env();
+    let worker = WorkerProcess::start_with(&f.settings, &env_refs(&env));
+    let id = kill(&f.conn, &f.keys, &dead).await;
+    wait_walked(&f.group.nodes[0], &f.conn, &f.keys, &dead, 3_000).await;
+
+    let (old, replica) = (0, 1);
+    let on_old = conn::shared(&conn::client(&f.group.nodes[old].url()).unwrap()).unwrap();
+    // Cut the replica off: stopped, it cannot reconnect and resynchronise from the
+    // backlog once the primary drops its link.
+    f.group.nodes[replica].signal("STOP").unwrap();
+    let _: u64 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("replica")
+        .query_async(&mut on_old.clone())
+        .await
+        .unwrap();
+    let cut = announced(&on_old, &f.keys).await.len();
+    // The cleanup goes on on the primary alone for a while.
+    f.wait(
+        "200 more users announced on the primary alone",
+        Duration::from_secs(60),
+        || async { announced(&on_old, &f.keys).await.len() >= cut + 200 },
+    )
+    .await;
+    worker.signal("STOP");
+    assert!(
+        is_pending(&on_old, &f.keys, &id).await,
+        "the cleanup finished before the kill: the test proves nothing"
+    );
+    let before_kill = announced(&on_old, &f.keys).await;
+    f.group.nodes[old].kill();
+    f.group.nodes[replica].signal("CONT").unwrap();
+    worker.signal("CONT");
+    let promoted = tokio::task::block_in_place(|| {
+        f.group
+            .wait_failover_from(old, Duration::from_secs(90))
+            .expect("the sentinels promote the replica")
+    });
+    assert_eq!(promoted, replica);
+    f.wait_idle(&f.conn, Duration::from_secs(180)).await;
+
+    let fresh = fresh_conn(&f.settings).await;
+    assert_eq!(
+        still_pointing(&f.registry, &fresh, &dead, USERS).await,
+        0,
+        "stale entries after the failover"
+    );
+    let after = announced(&fresh, &f.keys).await;
+    let mut times = std::collections::HashMap::<&[u8], usize>::new();
+    for (_, u) in &after {
+        *times.entry(u.as_slice()).or_default() += 1;
+    }
+    let missing = (0..USERS)
+        .map(|n| user(&dead, n))
+        .filter(|u| !times.contains_key(u.as_slice()))
+        .count();
+    let duplicated = times.values().filter(|&&n| n > 1).count();
+    // What the old primary announced and the failover lost (its entry ids are not on the
+    // new primary with those users).
+    let kept: std::collections::HashSet<(&str, &[u8])> = after
+        .iter()
+        .map(|(id, u)| (id.as_str(), u.as_slice()))
+        .collect();
+    let lost: Vec<&Vec<u8>> = before_kill
+        .iter()
+        .filter(|(id, u)| !kept.contains(&(id.as_str(), u.as_slice())))
+        .map(|(_, u)| u)
+        .collect();
+    let lost_entries = before_kill
+        .iter()
+        .filter(|(id, u)| !kept.contains(&(id.as_str(), u.as_slice())))
+        .map(|(id, _)| id)
+        .collect::<std::collections::BTreeSet<_>>()
+        .len();
+    let reannounced = lost
+        .iter()
+        .filter(|u| times.contains_key(u.as_slice()))
+        .count();
+    eprintln!(
+        "evictions across the failover: {USERS} users deleted; announced on the old primary \
+         before the kill {}, of them lost in the failover {} users in {lost_entries} entries \
+         (announced again on the new primary: {reannounced}); the new primary's stream: \
+         {} announcements, {} distinct users, {missing} deleted users missing, \
+         {duplicated} users announced more than once",
+        before_kill.len(),
+        lost.len(),
+        after.len(),
+        times.len(),
+    );
+    assert!(
+        !lost.is_empty(),
+        "no write was lost in the failover: the test proves nothing"
+    );
+    assert_eq!(
+        missing, 0,
+        "deleted users never announced on the new primary"
+    );
+    assert_eq!(
+        duplicated, 0,
+        "users announced twice on the new primary's stream"
+    );
+    assert_eq!(
+        reannounced,
+        lost.len(),
+        "users announced only in entries the failover lost"
+    );
+    worker.signal("TERM");
+    let (status, log) = worker.wait(Duration::from_secs(30));
+    assert!(status.is_some_and(|s| s.success()), "worker: {log}");
+}

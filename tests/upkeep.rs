@@ -202,3 +202,218 @@ async fn an_expired_live_worker_registers_itself_again() {
     .await;
     worker.stop().await;
 }
+
+/// The entries of `stream`, counted.
+async fn len(f: &Fixture, stream: &str) -> u64 {
+    f.query(redis::cmd("XLEN").arg(stream)).await
+}
+
+fn unacked_trimmed(metrics: &registry_janitor::metrics::Metrics, stream: &str, group: &str) -> u64 {
+    counter_of(
+        metrics,
+        &format!(
+            "registry_janitor_stream_unacked_trimmed_total{{group=\"{group}\",stream=\"{stream}\"}}"
+        ),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forgotten_group_no_longer_pins_the_evictions_stream_past_the_hard_bound() {
+    let f = Fixture::with(Layout::Hash, |s| {
+        s.retention_ms = 0;
+        s.maintenance_interval_ms = 100;
+        s.stream_max_age_ms = 4000;
+    });
+    let evictions = f.keys.evictions().unwrap().to_owned();
+    // A group made while debugging, then forgotten: it read one entry and acknowledged
+    // nothing.
+    let _: () = f
+        .query(
+            redis::cmd("XGROUP")
+                .arg("CREATE")
+                .arg(&evictions)
+                .arg("forgotten")
+                .arg("$")
+                .arg("MKSTREAM"),
+        )
+        .await;
+    let gw = server("gw-1#1");
+    f.seed(&gw, 2500).await;
+    let worker = spawn_worker(&f.settings);
+    f.kill(&gw).await;
+    f.wait_idle().await;
+    worker.settled().await;
+    assert_eq!(f.still_pointing(&gw, 2500).await, 0);
+    let _: redis::Value = f
+        .query(
+            redis::cmd("XREADGROUP")
+                .arg("GROUP")
+                .arg("forgotten")
+                .arg("debugger")
+                .arg("COUNT")
+                .arg(1)
+                .arg("STREAMS")
+                .arg(&evictions)
+                .arg(">"),
+        )
+        .await;
+    // Every entry written is either still in the stream or counted as trimmed
+    // unacknowledged: the group acknowledged none. users.evicted entries, and one
+    // server.cleaned.
+    let written = counter_of(&worker.metrics, "registry_janitor_evictions_entries_total") + 1;
+    assert!(
+        written >= 4,
+        "2,500 users in entries of at most 1,000, and server.cleaned"
+    );
+    let young = len(&f, &evictions).await;
+    assert!(
+        young > 0,
+        "retention (0 ms) trims nothing the group has not acknowledged"
+    );
+    assert_eq!(
+        young + unacked_trimmed(&worker.metrics, &evictions, "forgotten"),
+        written
+    );
+    // Past the hard bound every entry goes, the one pending in the group included.
+    wait_until(
+        &f.redis,
+        "the evictions stream trimmed past stream_max_age_ms",
+        Duration::from_secs(30),
+        || async { len(&f, &evictions).await == 0 },
+    )
+    .await;
+    // The group's gauges: its one pending entry stays in its pending list after the
+    // entry itself is trimmed.
+    let pending = || {
+        sample(
+            &worker.metrics.render(),
+            &format!(
+                "registry_janitor_stream_group_pending{{group=\"forgotten\",stream=\"{evictions}\"}}"
+            ),
+        )
+    };
+    wait_until(
+        &f.redis,
+        "the group's gauge",
+        Duration::from_secs(10),
+        || async { pending() == Some(1.0) },
+    )
+    .await;
+    let counted = || unacked_trimmed(&worker.metrics, &evictions, "forgotten");
+    wait_until(
+        &f.redis,
+        "the trim counted",
+        Duration::from_secs(10),
+        || async { counted() == written },
+    )
+    .await;
+    worker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_hard_bound_never_trims_what_the_workers_group_still_needs() {
+    let f = Fixture::new(Layout::Hash);
+    let events = f.keys.events();
+    let bound = Duration::from_millis(300);
+    // Before the workers' group exists, the events wait for it whatever their age, even
+    // with another group on the stream.
+    let first = f.kill(&server("gw-early#1")).await;
+    let _: () = f
+        .query(
+            redis::cmd("XGROUP")
+                .arg("CREATE")
+                .arg(&events)
+                .arg("audit")
+                .arg("0"),
+        )
+        .await;
+    tokio::time::sleep(bound * 2).await;
+    let report = maintenance::trim_streams(&f.conn, &f.keys, Duration::ZERO, bound)
+        .await
+        .unwrap();
+    assert_eq!(report.removed, 0);
+    assert_eq!(ids(&f).await, vec![first.clone()]);
+
+    // The workers' group: the first event pending in a crashed worker, two more never
+    // delivered; every one older than the bound. None goes.
+    stream::ensure_group(&f.conn, &f.keys).await.unwrap();
+    let crashed = stream::read_new(&f.conn, &f.keys, "crashed", 1, 100)
+        .await
+        .unwrap();
+    assert_eq!(crashed[0].id, first);
+    let mut later = vec![first.clone()];
+    for i in 0..2 {
+        later.push(f.kill(&server(&format!("gw-{i}#1"))).await);
+    }
+    tokio::time::sleep(bound * 2).await;
+    let report = maintenance::trim_streams(&f.conn, &f.keys, Duration::ZERO, bound)
+        .await
+        .unwrap();
+    assert_eq!(report.removed, 0, "{report:?}");
+    assert_eq!(ids(&f).await, later);
+    let ours = report
+        .groups
+        .iter()
+        .find(|g| g.stream == events && g.group == GROUP)
+        .unwrap();
+    assert_eq!(ours.pending, 1);
+    assert!(ours.oldest_unacked_age_ms.unwrap() >= bound.as_millis() as u64);
+
+    // Once the workers handled the first, it goes past the bound though the audit group
+    // never read it; the two the workers have not read stay.
+    stream::ack(&f.conn, &f.keys, &first).await.unwrap();
+    let metrics = registry_janitor::metrics::Metrics::new();
+    let report = maintenance::trim_streams(&f.conn, &f.keys, Duration::ZERO, bound)
+        .await
+        .unwrap();
+    maintenance::observe(&metrics, &report, &mut Default::default());
+    assert_eq!(report.removed, 1);
+    assert_eq!(ids(&f).await, later[1..].to_vec());
+    assert_eq!(unacked_trimmed(&metrics, &events, "audit"), 1);
+    assert_eq!(unacked_trimmed(&metrics, &events, GROUP), 0);
+    let age = sample(
+        &metrics.render(),
+        &format!(
+            "registry_janitor_stream_group_oldest_unacked_age_seconds{{group=\"audit\",stream=\"{events}\"}}"
+        ),
+    )
+    .unwrap();
+    assert!(age >= bound.as_secs_f64(), "{age}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_go_past_the_hard_bound_and_are_counted() {
+    let f = Fixture::new(Layout::Hash);
+    let bound = Duration::from_millis(300);
+    let dead = f.keys.dead_letters();
+    for _ in 0..3 {
+        let _: String = f
+            .query(
+                redis::cmd("XADD")
+                    .arg(&dead)
+                    .arg("*")
+                    .arg("type")
+                    .arg("server.dead")
+                    .arg("error")
+                    .arg("test"),
+            )
+            .await;
+    }
+    // Retention alone keeps dead letters: they wait for an operator.
+    let report = maintenance::trim_streams(&f.conn, &f.keys, Duration::ZERO, Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(report.removed, 0);
+    assert_eq!(len(&f, &dead).await, 3);
+    tokio::time::sleep(bound * 2).await;
+    let metrics = registry_janitor::metrics::Metrics::new();
+    let report = maintenance::trim_streams(&f.conn, &f.keys, Duration::ZERO, bound)
+        .await
+        .unwrap();
+    maintenance::observe(&metrics, &report, &mut Default::default());
+    assert_eq!(len(&f, &dead).await, 0);
+    assert_eq!(
+        counter_of(&metrics, "registry_janitor_dead_letters_expired_total"),
+        3
+    );
+}

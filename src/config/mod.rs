@@ -169,6 +169,9 @@ pub struct Settings {
     pub drain_timeout_ms: u64,
     /// Minimum age of acknowledged entries before they are trimmed.
     pub retention_ms: u64,
+    /// Age past which stream entries go even if a group has not read or acknowledged them
+    /// (never those the workers' own group still needs); 0: no such bound.
+    pub stream_max_age_ms: u64,
     /// Idle time after which a consumer with nothing pending is removed.
     pub consumer_expiry_ms: u64,
     /// Period of the stream upkeep (trimming, consumer expiry).
@@ -438,6 +441,17 @@ mod tests {
         check(
             |s| s.fence_unknown_ttl_ms = s.fence_ttl_ms + 1,
             "fence_unknown_ttl_ms",
+        );
+        check(
+            |s| s.stream_max_age_ms = s.retention_ms - 1,
+            "stream_max_age_ms",
+        );
+        check(
+            |s| {
+                s.retention_ms = 1000;
+                s.stream_max_age_ms = s.maintenance_interval_ms;
+            },
+            "stream_max_age_ms",
         );
         check(|s| s.evictions_stream = String::new(), "evictions_stream");
         check(

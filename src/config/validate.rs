@@ -147,6 +147,14 @@ impl Settings {
         if self.maintenance_interval_ms < 100 {
             return bad("maintenance_interval_ms", "must be at least 100");
         }
+        if self.stream_max_age_ms != 0
+            && self.stream_max_age_ms < self.retention_ms.max(2 * self.maintenance_interval_ms)
+        {
+            return bad(
+                "stream_max_age_ms",
+                "must be 0 (no hard bound) or at least retention_ms and twice maintenance_interval_ms",
+            );
+        }
         if self.consumer_expiry_ms < 2 * self.claim_min_idle_ms {
             return bad(
                 "consumer_expiry_ms",

@@ -24,8 +24,9 @@
 //! is already gone (see `cleanup/cluster.rs`).
 //!
 //! Retention is the events stream's (maintenance/trim_stream.lua): entries older than
-//! `retention_ms` go, never one that a consumer group has not read or acknowledged; a
-//! stream no group reads is trimmed by age alone.
+//! `retention_ms` go, never one that a consumer group has not read or acknowledged up to
+//! `stream_max_age_ms`, past which every entry goes; a stream no group reads is trimmed
+//! by age alone.
 
 use serde::Serialize;
 

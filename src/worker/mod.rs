@@ -210,6 +210,7 @@ impl Worker {
             this.keys.clone(),
             this.settings.clone(),
             this.format.clone(),
+            this.metrics.clone(),
             stop_upkeep.clone(),
         ));
         let sampler = tokio::spawn(this.clone().sample_gauges(stop_upkeep.clone()));

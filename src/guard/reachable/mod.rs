@@ -107,6 +107,11 @@ pub struct Reachable {
     info_refused: AtomicBool,
     /// `janitor:{guard}:reachable` was refused once (logged once): the record is this process's.
     record_refused: AtomicBool,
+    /// The outage in progress (failed calls): when it began, on the monotonic clock (it
+    /// was logged then), and what observations found meanwhile. Its end is logged once,
+    /// with its duration and those findings, by the first observation that succeeds with
+    /// no call failed since it was sent.
+    outage: Mutex<Option<(Instant, Vec<&'static str>)>>,
 }
 
 impl Reachable {
@@ -125,6 +130,7 @@ impl Reachable {
             nodes: Mutex::default(),
             info_refused: AtomicBool::new(false),
             record_refused: AtomicBool::new(false),
+            outage: Mutex::new(None),
         }
     }
 
@@ -152,9 +158,14 @@ impl Reachable {
         }
     }
 
-    /// Redis is away or not answering (`why`).
+    /// Redis is away or not answering (`why`). Logged once per outage: at the first
+    /// failure since the last successful observation.
     pub fn note_failure(&self, why: &str) {
         if self.tracker().failed() {
+            self.outage
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get_or_insert_with(|| (Instant::now(), Vec::new()));
             self.metrics
                 .reconcile_outages
                 .with_label_values(&[Cause::FailedCalls.label()])
@@ -248,19 +259,21 @@ impl Reachable {
             }
         };
         let (redis_ms, run_ids) = (seen.redis_ms, seen.run_ids.clone());
-        let out = self.tracker().observed(seen, failures_before);
-        let report = |cause: Cause, what: &str| {
+        let (out, failed_since_sent) = {
+            let mut t = self.tracker();
+            let out = t.observed(seen, failures_before);
+            (out, t.failures() != failures_before)
+        };
+        // What this observation found, each counted under its cause and logged once
+        // together: as the start of an outage, or, when it ends one that failed calls
+        // began (logged then), in the line that says so.
+        let mut found = Vec::new();
+        let mut report = |cause: Cause, what: &'static str| {
             self.metrics
                 .reconcile_outages
                 .with_label_values(&[cause.label()])
                 .inc();
-            warn!(
-                cause = cause.label(),
-                redis_time_ms = redis_ms,
-                run_ids = run_ids.as_deref().unwrap_or("unknown"),
-                grace_ms = self.grace_ms,
-                "Redis outage ({what}): verdicts on silent servers wait until Redis has been reachable for a full grace"
-            );
+            found.push((cause.label(), what));
         };
         if out.slow {
             report(Cause::FailedCalls, "Redis took too long to answer");
@@ -279,6 +292,45 @@ impl Reachable {
         }
         if out.clock_jump {
             report(Cause::ClockJump, "a clock stepped forward");
+        }
+        let ended = {
+            let mut outage = self.outage.lock().unwrap_or_else(|e| e.into_inner());
+            match outage.as_mut() {
+                Some((_, seen)) => {
+                    for (_, what) in &found {
+                        if !seen.contains(what) {
+                            seen.push(what);
+                        }
+                    }
+                    found.clear();
+                    if failed_since_sent {
+                        None
+                    } else {
+                        outage.take()
+                    }
+                }
+                None => None,
+            }
+        };
+        let causes = found.iter().map(|(c, _)| *c).collect::<Vec<_>>().join(",");
+        let what = found.iter().map(|(_, w)| *w).collect::<Vec<_>>().join("; ");
+        if let Some((began, seen)) = ended {
+            let outage_ms = began.elapsed().as_millis() as u64;
+            info!(
+                outage_ms,
+                also = %seen.join("; "),
+                grace_ms = self.grace_ms,
+                "Redis reachable again after an outage of {:.1} s: verdicts on silent servers wait until it has been reachable for a full grace",
+                outage_ms as f64 / 1000.0
+            );
+        } else if !found.is_empty() {
+            warn!(
+                cause = %causes,
+                redis_time_ms = redis_ms,
+                run_ids = run_ids.as_deref().unwrap_or("unknown"),
+                grace_ms = self.grace_ms,
+                "Redis outage ({what}): verdicts on silent servers wait until Redis has been reachable for a full grace"
+            );
         }
         if out.adopted {
             info!(
