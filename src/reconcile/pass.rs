@@ -87,7 +87,7 @@ impl Reconciler {
                 remaining_ms: hold.remaining_ms(self.settings.heartbeat_grace_ms),
             },
             Found::ClockAhead { redis_ms } => {
-                self.reach.clock_ran_ahead(redis_ms, bound.unwrap_or(0));
+                self.reach.verdict_past_bound(redis_ms);
                 Verdict::Waiting {
                     remaining_ms: self.settings.heartbeat_grace_ms,
                 }
@@ -125,8 +125,8 @@ impl Reconciler {
             // of that clock since the guard last observed it: no verdict by it.
             let bound = self.reach.time_bound_ms();
             let seen = self.lowered(&[server.as_str()]).await?;
-            if let Some(bound) = bound.filter(|&b| seen.now_ms > b) {
-                self.reach.clock_ran_ahead(seen.now_ms, bound);
+            if bound.is_some_and(|b| seen.now_ms > b) {
+                self.reach.verdict_past_bound(seen.now_ms);
                 return Ok(Verdict::Waiting {
                     remaining_ms: self.settings.heartbeat_grace_ms,
                 });

@@ -42,7 +42,7 @@
 //!   verdict itself: the script that checks a server reads TIME and refuses to judge when
 //!   it is past [`Reachable::time_bound_ms`] (the last observation's TIME plus the
 //!   monotonic time since, plus the tolerance); the reconciler then calls
-//!   [`Reachable::clock_ran_ahead`]. On a cluster, TIME is read on the master of
+//!   [`Reachable::verdict_past_bound`]. On a cluster, TIME is read on the master of
 //!   `servers`' slot, whose clock the scores are judged by.
 //!
 //! `reachable_since` is also stored in `janitor:{guard}:reachable` (the greatest known
@@ -197,30 +197,46 @@ impl Reachable {
     /// The latest Redis time (unix ms) a verdict may read now, if Redis's clock has not
     /// stepped forward since the last observation ([`Tracker::redis_time_bound`]). A
     /// verdict that reads a later TIME in the same script as its checks refuses to
-    /// judge, and calls [`Reachable::clock_ran_ahead`]: a step of Redis's clock between
+    /// judge, and calls [`Reachable::verdict_past_bound`]: a step of Redis's clock between
     /// two observations ages every score and expires liveness keys early, and the next
     /// observation would see it too late for a verdict already taken.
     pub fn time_bound_ms(&self) -> Option<u64> {
         self.tracker().redis_time_bound(self.mono_ms())
     }
 
-    /// A verdict read Redis's time `redis_ms`, past [`Reachable::time_bound_ms`]: a step
-    /// forward of Redis's clock. Verdicts on silent servers wait until the next
-    /// observation starts a new stretch of reachable time, a full grace.
-    pub fn clock_ran_ahead(&self, redis_ms: u64, bound_ms: u64) {
-        self.tracker().failed();
+    /// A verdict read Redis's time `redis_ms`, past the bound it was given
+    /// ([`Reachable::time_bound_ms`], taken before it was sent). Verdicts on silent
+    /// servers wait until the next observation starts a new stretch of reachable time, a
+    /// full grace. Past the bound taken now, after the reply, Redis's clock stepped
+    /// forward (cause `clock_jump`); within it, the verdict waited in Redis's queue longer
+    /// than the tolerance, which cannot be told from a step (cause `failed_calls`, as a
+    /// slow answer).
+    pub fn verdict_past_bound(&self, redis_ms: u64) {
+        let stepped = self.time_bound_ms().is_none_or(|now| redis_ms > now);
+        let cause = if stepped {
+            Cause::ClockJump
+        } else {
+            Cause::FailedCalls
+        };
+        let first = self.tracker().failed();
         self.metrics
             .reconcile_outages
-            .with_label_values(&[Cause::ClockJump.label()])
+            .with_label_values(&[cause.label()])
             .inc();
         self.metrics.reconcile_reachable_seconds.set(0.0);
-        warn!(
-            cause = Cause::ClockJump.label(),
-            redis_time_ms = redis_ms,
-            bound_ms,
-            grace_ms = self.grace_ms,
-            "Redis outage (Redis's clock stepped forward, seen by a verdict): verdicts on silent servers wait until Redis has been reachable for a full grace"
-        );
+        if first {
+            warn!(
+                cause = cause.label(),
+                redis_time_ms = redis_ms,
+                grace_ms = self.grace_ms,
+                "Redis outage ({}, seen by a verdict): verdicts on silent servers wait until Redis has been reachable for a full grace",
+                if stepped {
+                    "Redis's clock stepped forward"
+                } else {
+                    "Redis took too long to run it"
+                }
+            );
+        }
     }
 
     /// The hold as of the last observation, without observing.
