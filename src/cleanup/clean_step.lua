@@ -89,15 +89,22 @@ local in_use = tonumber(in_use_value or '1')
 if not in_use then
   return redis.error_reply('ERR ' .. KEYS[8] .. ' holds ' .. in_use_value .. ', not a format number')
 end
--- The progress record, read once (a few fields): what the step writes back it keeps
--- here too, so it never reads what it wrote.
-local record = {}
-local fields = redis.call('HGETALL', progress_key)
-for i = 1, #fields, 2 do record[fields[i]] = fields[i + 1] end
+-- The progress record's fields this step uses, read once: what the step writes back it
+-- keeps here too, so it never reads what it wrote.
+local RECORD_FIELDS = {'format', 'walk_cursor', 'walk_run_id', 'scanned', 'evicted', 'kept'}
+local record, recorded = {}, false
+local values = redis.call('HMGET', progress_key, unpack(RECORD_FIELDS))
+for i = 1, #RECORD_FIELDS do
+  if values[i] then
+    record[RECORD_FIELDS[i]] = values[i]
+    recorded = true
+  end
+end
+-- A record may hold none of them (only `last_error`, record_failure.lua).
+if not recorded then recorded = redis.call('EXISTS', progress_key) == 1 end
 -- The format the record is in: a record without the field (or not written yet) is in
 -- format 1; a record not written yet is never refused.
 local stamp = 1
-local recorded = #fields > 0
 if recorded then
   stamp = tonumber(record.format or '1') or 0
 end
@@ -141,26 +148,48 @@ if mode == 'scan' then
   if not run_id then mode = 'pop' end
 end
 
+-- The members of members[first..] whose owner (owners[i], for members[first + i - 1]) is
+-- S: nil when all are (the common case: no list is made, the range is the answer), else
+-- a list of them; then how many owners name another server.
+local function doomed_of(members, first, owners)
+  local n = #owners
+  local i = 1
+  while i <= n and owners[i] == server do i = i + 1 end
+  if i > n then return nil, 0 end
+  local doomed, d, kept = {}, i - 1, 0
+  for j = 1, d do doomed[j] = members[first + j - 1] end
+  for j = i, n do
+    local owner = owners[j]
+    if owner == server then
+      d = d + 1
+      doomed[d] = members[first + j - 1]
+    elseif owner then
+      kept = kept + 1
+    end
+  end
+  return doomed, kept
+end
+
 local function check_delete(members)
   local deleted, kept = 0, 0
   local evicted = {}
   for first = 1, #members, BATCH do
     local last = math.min(first + BATCH - 1, #members)
     local owners = owners_of(members, first, last, layout, registry_key, user_prefix)
-    local doomed = {}
-    for i = 1, #owners do
-      local owner = owners[i]
-      if owner == server then
-        doomed[#doomed + 1] = members[first + i - 1]
-      elseif owner then
-        kept = kept + 1
-      end
-    end
-    deleted = deleted + delete_forward(doomed, layout, registry_key, user_prefix)
-    if #members <= BATCH then
-      evicted = doomed -- one batch: its doomed are all the step's
+    local doomed, others = doomed_of(members, first, owners)
+    kept = kept + others
+    if not doomed then
+      deleted = deleted + delete_forward(members, layout, registry_key, user_prefix, first, last)
     else
-      for i = 1, #doomed do evicted[#evicted + 1] = doomed[i] end
+      deleted = deleted + delete_forward(doomed, layout, registry_key, user_prefix)
+    end
+    if #members <= BATCH then
+      evicted = doomed or members -- one batch: its doomed are all the step's
+    else
+      local from = doomed or members
+      local a, b = 1, #from
+      if not doomed then a, b = first, last end
+      for i = a, b do evicted[#evicted + 1] = from[i] end
     end
   end
   announced = announced + announce_members(evictions, server, event_id, 'cleanup', evicted, layout)
