@@ -21,9 +21,9 @@
 //!   to `concurrency * chunks_in_flight` (what the worker would queue without a limiter).
 //!   A step that waited longer (but not over the target) found work queued in front of
 //!   it: Redis was busy the whole time, so a wider window would add only waiting, to the
-//!   steps and to the lookups behind them; the window holds. Alone on a Redis, a worker
-//!   so settles at two steps in flight, one running and the next one queued behind it:
-//!   Redis never waits for a round trip, and a lookup waits for at most about two steps;
+//!   steps and to the lookups behind them; the window holds. A worker alone on a Redis
+//!   so keeps about two steps in flight, one running and the next one queued behind it:
+//!   Redis need not wait for a round trip, and a lookup waits for about two steps;
 //! - at the floor of one step, W workers still keep W steps queued; a delay over the target
 //!   there starts pacing instead: a pause before each step (250 us, doubled per round trip
 //!   while the delay stays over, at most 20 targets), halved per step under the target;
