@@ -577,3 +577,62 @@ async fn connections_evicted_payloads_match_their_schema() {
     }
     assert_eq!(pairs, 1_201 + 2);
 }
+
+/// User ids of many lengths in one step (runs of one length, lone ones, the bin 8 / bin
+/// 16 boundary at 256 bytes, bytes that are not UTF-8): each deleted user is announced
+/// once, byte for byte, in payloads the schema accepts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn user_ids_of_every_length_are_announced_byte_for_byte() {
+    let schema: serde_json::Value =
+        serde_json::from_str(include_str!("../schemas/users-evicted.schema.json")).unwrap();
+    let schema = jsonschema::validator_for(&schema).unwrap();
+    let f = Fixture::with(Layout::Hash, |s| s.chunk_size = 1000);
+    let dead = server("gw-lengths#1");
+    let mut users: Vec<Vec<u8>> = Vec::new();
+    for n in 0..600 {
+        users.push(format!("fixed-width-{n:05}").into_bytes()); // one long run
+    }
+    for len in [1, 2, 31, 32, 254, 255, 256, 257, 300, 512] {
+        for k in 0..3u8 {
+            let mut id = vec![b'a' + k; len];
+            id[0] = 0xff; // not UTF-8
+            users.push(id);
+        }
+    }
+    for n in 0..200 {
+        users.push(format!("u{n}").into_bytes()); // lengths 2 to 4, mixed
+    }
+    f.registry.heartbeat(&f.conn, &dead, 60_000).await.unwrap();
+    f.registry
+        .register_many(&f.conn, users.iter().map(Vec::as_slice), &dead, 1000)
+        .await
+        .unwrap();
+    let worker = spawn_worker(&f.settings);
+    f.kill(&dead).await;
+    f.wait_idle().await;
+    worker.stop().await;
+    let (announced, _) = evictions(&f).await;
+    let expected: HashSet<Vec<u8>> = users.into_iter().collect();
+    assert_announced_exactly_once(&announced, &dead, &expected);
+    type Fields = Vec<(String, Vec<u8>)>;
+    let raw: Vec<(String, Fields)> = f
+        .query(
+            redis::cmd("XRANGE")
+                .arg(f.keys.evictions().unwrap())
+                .arg("-")
+                .arg("+"),
+        )
+        .await;
+    for (_, fields) in raw {
+        let get = |n: &str| fields.iter().find(|(k, _)| k == n).unwrap().1.clone();
+        if get("type") == b"users.evicted" {
+            let payload = get("payload");
+            let value = rmpv::decode::read_value(&mut payload.as_slice()).unwrap();
+            let errors: Vec<String> = schema
+                .iter_errors(&json_of(&value))
+                .map(|e| e.to_string())
+                .collect();
+            assert!(errors.is_empty(), "{errors:?}");
+        }
+    }
+}

@@ -60,13 +60,14 @@
 -- field in the user's Hash, deleted only if it still names S (owners.lua).
 --
 -- Evictions: the users this step deleted are announced in `users.evicted` entries of
--- KEYS[8] (announce.lua; layout conns: `connections.evicted`, the (user, connection)
+-- KEYS[9] (announce.lua; layout conns: `connections.evicted`, the (user, connection)
 -- pairs), in this script, so each deleted user is announced exactly once
 -- and a kept one never. The step that acknowledges the event (XACK answered 1: only one
 -- step can) announces `server.cleaned` with the totals of the cleanup, counted in the
 -- progress hash (`evicted`, `kept`).
 
 local started = redis.call('TIME')
+TIME_READ = started -- the evictions entries' instant (announce.lua)
 local function elapsed_us()
   local now = redis.call('TIME')
   -- TIME is the wall clock: never negative if it is stepped back during the script.
@@ -88,12 +89,24 @@ local in_use = tonumber(in_use_value or '1')
 if not in_use then
   return redis.error_reply('ERR ' .. KEYS[8] .. ' holds ' .. in_use_value .. ', not a format number')
 end
+-- The progress record's fields this step uses, read once: what the step writes back it
+-- keeps here too, so it never reads what it wrote.
+local RECORD_FIELDS = {'format', 'walk_cursor', 'walk_run_id', 'scanned', 'evicted', 'kept'}
+local record, recorded = {}, false
+local values = redis.call('HMGET', progress_key, unpack(RECORD_FIELDS))
+for i = 1, #RECORD_FIELDS do
+  if values[i] then
+    record[RECORD_FIELDS[i]] = values[i]
+    recorded = true
+  end
+end
+-- A record may hold none of them (only `last_error`, record_failure.lua).
+if not recorded then recorded = redis.call('EXISTS', progress_key) == 1 end
 -- The format the record is in: a record without the field (or not written yet) is in
 -- format 1; a record not written yet is never refused.
 local stamp = 1
-local recorded = redis.call('EXISTS', progress_key) == 1
 if recorded then
-  stamp = tonumber(redis.call('HGET', progress_key, 'format') or '1') or 0
+  stamp = tonumber(record.format or '1') or 0
 end
 local works = 'this worker works under formats ' .. build_min .. ' to ' .. build_format
 if in_use > build_format or in_use < build_min then
@@ -103,13 +116,21 @@ if recorded and (stamp > build_format or stamp < build_min) then
   return redis.error_reply('FORMAT the cleanup of ' .. server .. ' was written under format '
     .. stamp .. '; ' .. works)
 end
--- Stamps the progress record with the format in use; called only where the step writes
--- the record anyway.
-local function stamp_format()
+-- Writes `pairs_` (field, value, ...) to the progress record in one HSET, with the
+-- format in use when the record says another (the stamp goes only where the step writes
+-- the record anyway).
+local function write_record(pairs_)
   if stamp ~= in_use then
-    redis.call('HSET', progress_key, 'format', in_use)
+    pairs_[#pairs_ + 1] = 'format'
+    pairs_[#pairs_ + 1] = in_use
     stamp = in_use
   end
+  redis.call('HSET', progress_key, unpack(pairs_))
+end
+
+-- The record's counters (a field that is absent or not a number counts as 0).
+local function counter(name)
+  return tonumber(record[name] or '0') or 0
 end
 
 local check = check_evictions_stream(evictions)
@@ -118,8 +139,35 @@ if check then return check end
 local run_id
 if mode == 'scan' then
   local info = redis.pcall('INFO', 'server')
-  if type(info) == 'string' then run_id = string.match(info, 'run_id:(%x+)') end
+  -- A plain search (no pattern) for the field, then its 40 hex digits.
+  local at = type(info) == 'string' and string.find(info, 'run_id:', 1, true)
+  if at then
+    run_id = string.sub(info, at + 7, at + 46)
+    if #run_id ~= 40 or string.find(run_id, '[^%x]') then run_id = nil end
+  end
   if not run_id then mode = 'pop' end
+end
+
+-- The members of members[first..] whose owner (owners[i], for members[first + i - 1]) is
+-- S: nil when all are (the common case: no list is made, the range is the answer), else
+-- a list of them; then how many owners name another server.
+local function doomed_of(members, first, owners)
+  local n = #owners
+  local i = 1
+  while i <= n and owners[i] == server do i = i + 1 end
+  if i > n then return nil, 0 end
+  local doomed, d, kept = {}, i - 1, 0
+  for j = 1, d do doomed[j] = members[first + j - 1] end
+  for j = i, n do
+    local owner = owners[j]
+    if owner == server then
+      d = d + 1
+      doomed[d] = members[first + j - 1]
+    elseif owner then
+      kept = kept + 1
+    end
+  end
+  return doomed, kept
 end
 
 local function check_delete(members)
@@ -128,42 +176,53 @@ local function check_delete(members)
   for first = 1, #members, BATCH do
     local last = math.min(first + BATCH - 1, #members)
     local owners = owners_of(members, first, last, layout, registry_key, user_prefix)
-    local doomed = {}
-    for i = 1, #owners do
-      local owner = owners[i]
-      if owner == server then
-        doomed[#doomed + 1] = members[first + i - 1]
-      elseif owner then
-        kept = kept + 1
-      end
+    local doomed, others = doomed_of(members, first, owners)
+    kept = kept + others
+    if not doomed then
+      deleted = deleted + delete_forward(members, layout, registry_key, user_prefix, first, last)
+    else
+      deleted = deleted + delete_forward(doomed, layout, registry_key, user_prefix)
     end
-    deleted = deleted + delete_forward(doomed, layout, registry_key, user_prefix)
-    for i = 1, #doomed do evicted[#evicted + 1] = doomed[i] end
+    if #members <= BATCH then
+      evicted = doomed or members -- one batch: its doomed are all the step's
+    else
+      local from = doomed or members
+      local a, b = 1, #from
+      if not doomed then a, b = first, last end
+      for i = a, b do evicted[#evicted + 1] = from[i] end
+    end
   end
   announced = announced + announce_members(evictions, server, event_id, 'cleanup', evicted, layout)
-  -- Totals for `server.cleaned`. Only after a write of this step (a pop or a delete), so
-  -- that out of memory they are let through, and never on a finished cleanup's record.
-  if deleted > 0 then redis.call('HINCRBY', progress_key, 'evicted', deleted) end
-  if kept > 0 then redis.call('HINCRBY', progress_key, 'kept', kept) end
-  if deleted > 0 or kept > 0 then stamp_format() end
+  -- Totals for `server.cleaned`, in one HSET. Only after a write of this step (a pop or
+  -- a delete), so that out of memory they are let through, and never on a finished
+  -- cleanup's record.
+  local totals = {}
+  if deleted > 0 then
+    record.evicted = counter('evicted') + deleted
+    totals[#totals + 1], totals[#totals + 2] = 'evicted', record.evicted
+  end
+  if kept > 0 then
+    record.kept = counter('kept') + kept
+    totals[#totals + 1], totals[#totals + 2] = 'kept', record.kept
+  end
+  if #totals > 0 then write_record(totals) end
   return deleted, kept
 end
 
 -- Clean if nothing is left anywhere; then the bookkeeping goes and the event is acked.
 local function finish_if_clean()
   if redis.call('EXISTS', users_key, walking_key, moved_key) > 0 then return 0 end
-  local totals = redis.call('HMGET', progress_key, 'evicted', 'kept')
   redis.call('UNLINK', progress_key)
   redis.call('ZREM', servers_key, server)
   if ARGV[7] ~= '' and redis.call('XACK', events_key, ARGV[6], ARGV[7]) == 1 then
-    announce_cleaned(evictions, server, event_id, tonumber(totals[1] or '0'),
-      tonumber(totals[2] or '0'))
+    announce_cleaned(evictions, server, event_id, counter('evicted'), counter('kept'))
   end
   return 1
 end
 
-if redis.call('EXISTS', moved_key) == 1 then
-  local popped = redis.call('ZPOPMIN', moved_key, count)
+-- ZPOPMIN of an absent key pops and writes nothing: no EXISTS before it.
+local popped = redis.call('ZPOPMIN', moved_key, count)
+if #popped > 0 then
   local members = {}
   for i = 1, #popped, 2 do members[#members + 1] = popped[i] end
   local deleted, kept = check_delete(members)
@@ -177,6 +236,7 @@ if redis.call('EXISTS', walking_key) == 0 then
   redis.call('RENAME', users_key, walking_key)
   -- HDEL takes no memory: a new walk starts from cursor 0 even in 'pop' mode.
   redis.call('HDEL', progress_key, 'walk_cursor', 'walk_run_id')
+  record.walk_cursor, record.walk_run_id = nil, nil
   -- While anything of S is left to walk, S stays in `servers` (score kept if it has one):
   -- a walk that started after another step had finished S (members a zombie added) and
   -- was then abandoned is reported again by the reconciler, not left forever.
@@ -188,17 +248,19 @@ if mode == 'pop' then
   members = redis.call('SPOP', walking_key, count)
   walked = redis.call('EXISTS', walking_key) == 0
 else
-  local progress = redis.call('HMGET', progress_key, 'walk_cursor', 'walk_run_id')
+  -- The cursor only where it was issued: by this Redis process (its run_id, read by
+  -- this step), else the walk starts again from 0.
   local cursor = '0'
-  if progress[2] == run_id then cursor = progress[1] or '0' end
+  if record.walk_run_id == run_id then cursor = record.walk_cursor or '0' end
   local scan = redis.call('SSCAN', walking_key, cursor, 'COUNT', count)
   members = scan[2]
   walked = scan[1] == '0'
+  -- The cursor and the count walked, in one HSET (the step's first write).
+  local progress = {'scanned', counter('scanned') + #members}
   if not walked then
-    redis.call('HSET', progress_key, 'walk_cursor', scan[1], 'walk_run_id', run_id)
+    progress[3], progress[4], progress[5], progress[6] = 'walk_cursor', scan[1], 'walk_run_id', run_id
   end
-  redis.call('HINCRBY', progress_key, 'scanned', #members)
-  stamp_format()
+  write_record(progress)
 end
 local deleted, kept = check_delete(members)
 

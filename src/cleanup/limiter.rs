@@ -16,8 +16,14 @@
 //!   hosted Redis), which would otherwise keep the worker paced at its slowest for good;
 //! - a delay above `latency_target_ms` halves the window (floor 1), at most once per round
 //!   trip: only a step sent after the last cut can cut again;
-//! - otherwise the window grows by one per window's worth of completed steps, up to
-//!   `concurrency * chunks_in_flight` (what the worker would queue without a limiter);
+//! - a step that found Redis (nearly) idle, its queue delay under a quarter of the target,
+//!   counts toward growth: the window grows by one per window's worth of such steps, up
+//!   to `concurrency * chunks_in_flight` (what the worker would queue without a limiter).
+//!   A step that waited longer (but not over the target) found work queued in front of
+//!   it: Redis was busy the whole time, so a wider window would add only waiting, to the
+//!   steps and to the lookups behind them; the window holds. A worker alone on a Redis
+//!   so keeps about two steps in flight, one running and the next one queued behind it:
+//!   Redis need not wait for a round trip, and a lookup waits for about two steps;
 //! - at the floor of one step, W workers still keep W steps queued; a delay over the target
 //!   there starts pacing instead: a pause before each step (250 us, doubled per round trip
 //!   while the delay stays over, at most 20 targets), halved per step under the target;
@@ -51,6 +57,10 @@ pub const MIN_STEP: usize = 100;
 /// The shortest pause when pacing, and the longest, in targets.
 const MIN_PAUSE: Duration = Duration::from_micros(250);
 const MAX_PAUSE_TARGETS: u32 = 20;
+
+/// A step whose queue delay is under the target divided by this found Redis (nearly) idle:
+/// it counts toward the window's growth.
+const IDLE_FRACTION: u32 = 4;
 
 /// The base delay is the lowest of the current and the previous period of this length.
 const BASE_PERIOD: Duration = Duration::from_secs(60);
@@ -419,13 +429,16 @@ impl Limiter {
                 if state.pause < MIN_PAUSE {
                     state.pause = Duration::ZERO;
                 }
-            } else {
+            } else if delay < self.target / IDLE_FRACTION {
+                // The step found Redis (nearly) idle: a wider window may keep it busier.
                 state.grown += 1;
                 if state.grown >= state.window {
                     state.grown = 0;
                     state.window = (state.window + 1).min(self.max_window);
                 }
             }
+            // Otherwise work was queued in front of the step: Redis was busy, the window
+            // holds.
         }
         while state.in_flight < state.window {
             let Some(Reverse(waiter)) = state.waiting.pop() else {
@@ -517,6 +530,29 @@ mod tests {
         }
         assert_eq!(l.window(), 8, "capped at concurrency * chunks_in_flight");
         assert_eq!(l.cuts(), 0);
+    }
+
+    #[tokio::test]
+    async fn steps_that_waited_behind_work_under_the_target_hold_the_window() {
+        let l = limiter(8);
+        // Steps that found Redis idle grow the window (2, then 3)...
+        for _ in 0..2 {
+            let p = l.acquire(10).await;
+            step_with_delay(&l, p, Duration::ZERO);
+        }
+        assert_eq!(l.window(), 3);
+        // ... steps that waited behind others (half the target: busy, not over) hold it.
+        for _ in 0..100 {
+            let p = l.acquire(10).await;
+            step_with_delay(&l, p, MS / 2);
+        }
+        assert_eq!((l.window(), l.cuts()), (3, 0));
+        // Just under a quarter of the target counts as idle again.
+        for _ in 0..3 {
+            let p = l.acquire(10).await;
+            step_with_delay(&l, p, MS / 4 - Duration::from_micros(1));
+        }
+        assert_eq!(l.window(), 4);
     }
 
     #[tokio::test]

@@ -44,6 +44,47 @@ end
 -- bin 8 headers by length, made as met.
 local BIN8 = {}
 
+local function bin8_header(n)
+  local header = BIN8[n]
+  if not header then
+    header = '\196' .. string.char(n)
+    BIN8[n] = header
+  end
+  return header
+end
+
+-- Appends to `out` (from index k + 1) the MessagePack `bin` items of users[first..last],
+-- each its header and then its bytes; returns the new last index of `out`. This runs per
+-- user, so it writes no table slot per user where it can help it: a run of ids of one
+-- length under 256 bytes (the common case: ids of a fixed width) shares one header, and
+-- table.concat(users, header, i, j) writes the run's ids with that header between them,
+-- so the run goes into `out` as its first header and that one string.
+local function mp_bin_items(out, k, users, first, last)
+  local i = first
+  while i <= last do
+    local user = users[i]
+    local n = #user
+    if n < 256 then
+      local j = i
+      while j < last and #users[j + 1] == n do j = j + 1 end
+      local header = BIN8[n] or bin8_header(n)
+      out[k + 1] = header
+      if j > i then
+        out[k + 2] = table.concat(users, header, i, j)
+      else
+        out[k + 2] = user
+      end
+      k = k + 2
+      i = j + 1
+    else
+      out[k + 1] = mp_bin(user)
+      k = k + 1
+      i = i + 1
+    end
+  end
+  return k
+end
+
 local function mp_array_header(n)
   if n < 16 then return string.char(144 + n) end
   if n < 65536 then return '\220' .. mp_be(n, 2) end
@@ -60,8 +101,13 @@ local function mp_map(pairs_)
   return table.concat(out)
 end
 
+-- The TIME reply this script stamps its entries with: the first read, kept (a script is
+-- atomic, so its entries share one instant); a script that reads TIME anyway sets it.
+local TIME_READ
+
 local function now_ms()
-  local t = redis.call('TIME')
+  local t = TIME_READ or redis.call('TIME')
+  TIME_READ = t
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
@@ -85,25 +131,8 @@ local function announce_evicted(stream, server, event_id, source, users)
   local entries = 0
   for first = 1, #users, EVICTED_PER_ENTRY do
     local last = math.min(first + EVICTED_PER_ENTRY - 1, #users)
-    local list, k = {mp_array_header(last - first + 1)}, 1
-    for i = first, last do
-      -- The per-user hot path: a cached header and the id itself go into the list, so
-      -- no string is made per user (table.concat below copies each once).
-      local user = users[i]
-      local n = #user
-      local header = BIN8[n]
-      if n < 256 and not header then
-        header = '\196' .. string.char(n)
-        BIN8[n] = header
-      end
-      if header then
-        list[k + 1], list[k + 2] = header, user
-        k = k + 2
-      else
-        list[k + 1] = mp_bin(user)
-        k = k + 1
-      end
-    end
+    local list = {mp_array_header(last - first + 1)}
+    mp_bin_items(list, 1, users, first, last)
     local payload = mp_map({
       'v', mp_uint(1), 'source', mp_str(source), 'server_id', mp_str(server),
       'event_id', mp_str(event_id), 'users', table.concat(list), 'evicted_at_ms', at,
@@ -135,11 +164,7 @@ local function announce_connections_evicted(stream, server, event_id, source, me
       if connection then
         n = n + 1
         local ul, cl = #user, #connection
-        local uh = BIN8[ul]
-        if ul < 256 and not uh then
-          uh = '\196' .. string.char(ul)
-          BIN8[ul] = uh
-        end
+        local uh = ul < 256 and (BIN8[ul] or bin8_header(ul)) or nil
         local ch = STR8[cl]
         if not ch then
           if cl < 32 then ch = string.char(160 + cl)

@@ -72,22 +72,24 @@ local function owners_of(members, first, last, layout, registry_key, user_prefix
   return redis.call('MGET', unpack(forward))
 end
 
--- Deletes the forward entries of `members` (already checked by the caller, in this
--- script). Layout `conns`: one HDEL of the connection's field each; Redis deletes the
--- user's Hash with its last field, so no empty Hash is left.
-local function delete_forward(members, layout, registry_key, user_prefix)
-  if #members == 0 then return 0 end
-  if layout == 'hash' then return redis.call('HDEL', registry_key, unpack(members)) end
+-- Deletes the forward entries of members[first..last] (default: all of `members`; at most
+-- BATCH; already checked by the caller, in this script). Layout `conns`: one HDEL of the
+-- connection's field each; Redis deletes the user's Hash with its last field, so no empty
+-- Hash is left.
+local function delete_forward(members, layout, registry_key, user_prefix, first, last)
+  first, last = first or 1, last or #members
+  if last < first then return 0 end
+  if layout == 'hash' then return redis.call('HDEL', registry_key, unpack(members, first, last)) end
   if layout == 'conns' then
     local deleted = 0
-    for i = 1, #members do
+    for i = first, last do
       local connection, key = conn_entry(members[i], user_prefix)
       if connection then deleted = deleted + redis.call('HDEL', key, connection) end
     end
     return deleted
   end
   local forward = {}
-  for i = 1, #members do forward[i] = user_prefix .. members[i] end
+  for i = first, last do forward[i - first + 1] = user_prefix .. members[i] end
   return redis.call('DEL', unpack(forward))
 end
 

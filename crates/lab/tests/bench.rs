@@ -62,6 +62,7 @@ fn bench(layout: Layout) {
     // The ceiling is wrong on purpose: it deletes the entries of users who moved (1%).
     assert_eq!(run("unconditional")["live_lost"], 200);
     fencing_figures(&report, 2000);
+    calibrated(&report);
     assert_eq!(report["layout"], layout.as_str());
     let keys: Vec<String> = {
         let client = redis::Client::open(redis.url()).unwrap();
@@ -69,6 +70,14 @@ fn bench(layout: Layout) {
         redis::cmd("KEYS").arg("*").query(&mut c).unwrap()
     };
     assert!(keys.is_empty(), "the bench leaves no keys behind: {keys:?}");
+}
+
+/// The calibration figures, to compare invocations: a Redis that answered takes time.
+fn calibrated(report: &serde_json::Value) {
+    let c = &report["calibration"];
+    for field in ["pipelined_cpu_us", "pipelined_wall_us", "script_cpu_us"] {
+        assert!(c[field].as_f64().is_some_and(|us| us > 0.0), "{field}: {c}");
+    }
 }
 
 /// The route cost and the stale window: every route-cost lookup got its live owner, and
@@ -176,6 +185,7 @@ fn bench_zone_verifies_every_run() {
             "smallest_first,round_robin",
         ],
     );
+    calibrated(&report);
     let settings_run = report["settings"].as_array().unwrap();
     assert_eq!(settings_run.len(), 4, "{report}");
     for s in settings_run {

@@ -94,6 +94,8 @@ pub struct ZoneSetting {
 #[derive(Debug, Clone, Serialize)]
 pub struct ZoneReport {
     pub redis_version: String,
+    /// The fixed workload timed before the runs, to compare invocations.
+    pub calibration: crate::bench::calibration::Calibration,
     pub servers: usize,
     pub users_per_server: usize,
     pub workers: usize,
@@ -136,6 +138,8 @@ pub async fn run(settings: &Settings, options: &Options, worker_exe: &Path) -> R
     settings.redis_url = redis.url();
     let conn = conn::shared_for(&conn::target_for(&settings)?).await?;
     let redis_version = crate::bench::probe::redis_version(&settings, &conn).await?;
+    let calibration =
+        crate::bench::calibration::calibrate(&settings, &conn, &settings.key_prefix).await?;
     let targets = if options.latency_targets.is_empty() {
         vec![settings.latency_target_ms]
     } else {
@@ -176,6 +180,7 @@ pub async fn run(settings: &Settings, options: &Options, worker_exe: &Path) -> R
         .collect();
     Ok(ZoneReport {
         redis_version,
+        calibration,
         servers: zone,
         users_per_server: options.zone_users,
         workers: options.workers,

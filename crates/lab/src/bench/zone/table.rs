@@ -18,6 +18,7 @@ impl fmt::Display for ZoneReport {
             self.chunk_size
         )?;
         writeln!(f, "workers: {}", self.worker_exe)?;
+        writeln!(f, "{}", self.calibration)?;
         writeln!(
             f,
             "{:>6} {:<14} {:<6} {:>9} {:>10} {:>8} {:>8} {:>8} {:>9} {:>9} {:>9} {:>8} {:>8} {:>6} {:>5} {:>5}",
