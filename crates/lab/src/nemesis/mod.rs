@@ -201,6 +201,14 @@ pub async fn run(base: &Settings, options: &Options) -> anyhow::Result<Outcome> 
     let load = tokio::spawn(fleet.clone().run_load());
     let watching = tokio_util::sync::CancellationToken::new();
     let watch = tokio::spawn(watch(observer.clone(), verdicts.clone(), watching.clone()));
+    let sentinels = tokio::spawn({
+        let (topology, verdicts, stop) = (topology.clone(), verdicts.clone(), watching.clone());
+        async move {
+            if let Topology::Sentinel(group) = &*topology {
+                group.watch(verdicts, stop).await;
+            }
+        }
+    });
     let faults = tokio::spawn(inject(ctx.clone(), schedule.clone(), verdicts.clone()));
     let progress = tokio::spawn(progress(
         ctx.clone(),
@@ -229,6 +237,7 @@ pub async fn run(base: &Settings, options: &Options) -> anyhow::Result<Outcome> 
     }
     watching.cancel();
     let _ = watch.await;
+    let _ = sentinels.await;
     progress.abort();
     if !verdicts.failed() {
         final_checks(&ctx, &verdicts).await;

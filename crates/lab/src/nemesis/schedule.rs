@@ -480,6 +480,55 @@ mod tests {
         assert!(counts[&Kind::ZoneOutage] >= 2, "{counts:?}");
     }
 
+    /// The suite's Sentinel run (`crates/lab/tests/nemesis.rs`) uses seed 345: three
+    /// failovers in 45 s, among seven kinds of faults.
+    #[test]
+    fn the_suites_sentinel_seed_draws_three_failovers_in_45_s() {
+        let s = Schedule::draw(
+            345,
+            &RunShape {
+                duration: Duration::from_secs(45),
+                kinds: Kind::SENTINEL.to_vec(),
+                ..shape()
+            },
+        );
+        let counts = s.counts();
+        assert_eq!(counts.get(&Kind::SentinelFailover), Some(&3), "{counts:?}");
+        assert!(counts.len() >= 7, "{counts:?}");
+    }
+
+    #[test]
+    fn a_sentinel_schedule_fails_over_and_never_restarts_or_blocks_the_primary() {
+        for seed in 0..50 {
+            let s = Schedule::draw(
+                seed,
+                &RunShape {
+                    kinds: Kind::SENTINEL.to_vec(),
+                    ..shape()
+                },
+            );
+            let counts = s.counts();
+            assert!(counts[&Kind::SentinelFailover] >= 10, "{seed}: {counts:?}");
+            assert!(!counts.contains_key(&Kind::RedisRestart), "{seed}");
+            assert!(!counts.contains_key(&Kind::Busy), "{seed}");
+            let mut redis_until = Duration::ZERO;
+            for p in &s.faults {
+                let d = match &p.fault {
+                    // The failover's own steps take a few seconds past `down`.
+                    Fault::SentinelFailover { down } => *down + Duration::from_secs(6),
+                    Fault::OomSqueeze { squeeze, .. } => *squeeze,
+                    _ => continue,
+                };
+                assert!(
+                    p.at >= redis_until,
+                    "{seed}: Redis faults overlap at {:?}",
+                    p.at
+                );
+                redis_until = p.at + d;
+            }
+        }
+    }
+
     #[test]
     fn the_draw_keeps_the_schedule_coherent() {
         for seed in 0..50 {

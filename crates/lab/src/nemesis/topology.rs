@@ -26,7 +26,9 @@ use registry_janitor::{
 };
 use registry_janitor_testkit::{RedisSentinels, RedisServer, MASTER_NAME};
 
-use super::schedule::Kind;
+use tokio_util::sync::CancellationToken;
+
+use super::{schedule::Kind, verdicts::Verdicts};
 
 /// The Redis of a run.
 pub enum Topology {
@@ -319,6 +321,9 @@ pub struct Group {
     node_ports: Vec<u16>,
     sentinel_ports: Vec<u16>,
     failovers: Mutex<Failovers>,
+    /// The primary's port as the nemesis left it, and whether one of its failovers is
+    /// under way: [`Group::watch`] tells a failover the sentinels decided by themselves.
+    expected: Mutex<(u16, bool)>,
 }
 
 /// What the failovers of a run did, for the summary.
@@ -376,12 +381,14 @@ impl Group {
         })
         .await?
         .map_err(|e| Error::LocalRedis(format!("starting the Sentinel group: {e}")))?;
+        let first = group.nodes[0].port();
         Ok(Group {
             sentinel_urls: group.sentinel_urls(),
             node_ports: group.nodes.iter().map(RedisServer::port).collect(),
             sentinel_ports: group.sentinels.iter().map(|s| s.port()).collect(),
             group: Arc::new(Mutex::new(group)),
             failovers: Mutex::default(),
+            expected: Mutex::new((first, false)),
         })
     }
 
@@ -410,6 +417,15 @@ impl Group {
     ///    starts again as a replica of the new one (with `--replicaof`: it never takes a
     ///    write with its old data).
     async fn failover(&self, down: Duration) -> Result<String> {
+        lock(&self.expected).1 = true;
+        let done = self.failover_steps(down).await;
+        let now = self.primary().await.map(|p| self.node_ports[p]);
+        let mut expected = lock(&self.expected);
+        *expected = (now.unwrap_or(expected.0), false);
+        done
+    }
+
+    async fn failover_steps(&self, down: Duration) -> Result<String> {
         let Some(old) = self.primary().await else {
             return Ok("skipped: the sentinels name no primary now".into());
         };
@@ -503,6 +519,46 @@ impl Group {
                 None => format!("not in sync {} s after its start", RESYNC.as_secs()),
             }
         ))
+    }
+
+    /// Until `stop`: every 500 ms, asks a sentinel where the primary is; a change that
+    /// no failover of the nemesis made is a note (the sentinels found the primary down
+    /// on their own, on a starved machine: the writes the old primary acknowledged and
+    /// had not replicated are lost by Redis, and a violation that follows may be that).
+    pub async fn watch(&self, verdicts: Arc<Verdicts>, stop: CancellationToken) {
+        let Some(url) = self.sentinel_urls.first().cloned() else {
+            return;
+        };
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                _ = stop.cancelled() => return,
+            }
+            let Ok(mut c) = connect(&url).await else {
+                continue;
+            };
+            let named: redis::RedisResult<(String, u16)> = redis::cmd("SENTINEL")
+                .arg("GET-MASTER-ADDR-BY-NAME")
+                .arg(MASTER_NAME)
+                .query_async(&mut c)
+                .await;
+            let Ok((_, port)) = named else {
+                continue;
+            };
+            let mut expected = lock(&self.expected);
+            if !expected.1 && expected.0 != port {
+                let node = |p: u16| self.node_ports.iter().position(|&n| n == p);
+                verdicts.note(format!(
+                    "at +{:.1}s the sentinels failed over by themselves, from node-{} to \
+                     node-{} (a primary that did not answer for 1 s on a starved machine): \
+                     writes it acknowledged and had not replicated are lost by Redis",
+                    verdicts.elapsed().as_secs_f64(),
+                    node(expected.0).map_or("?".into(), |n| n.to_string()),
+                    node(port).map_or("?".into(), |n| n.to_string()),
+                ));
+                expected.0 = port;
+            }
+        }
     }
 
     /// The primary's replication offset once every other node is its replica, linked,
