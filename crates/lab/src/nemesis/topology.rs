@@ -5,7 +5,7 @@
 //!   loses data never passes for a janitor fault), and `busy-reply-threshold` at 100 ms
 //!   (a long script makes every other client get BUSY soon).
 //! - [`Group`]: a private Sentinel group, a primary, two replicas and three sentinels
-//!   (`down-after-milliseconds` 1000). Its failover ([`Topology::failover`]) loses no
+//!   (`down-after-milliseconds` 5000). Its failover ([`Topology::failover`]) loses no
 //!   write the primary acknowledged: the primary's clients are paused for writes
 //!   (`CLIENT PAUSE WRITE`), the replicas catch up to its replication offset, and only
 //!   then is it SIGKILLed. A write Redis acknowledged and lost on a failover would be
@@ -82,9 +82,10 @@ impl Topology {
                 };
                 format!(
                     "a Sentinel group: redis-servers on 127.0.0.1 ports {} (the first the \
-                     primary at the start), sentinels on {}, down-after 1 s",
+                     primary at the start), sentinels on {}, down-after {} s",
                     ports(&group.node_ports),
-                    ports(&group.sentinel_ports)
+                    ports(&group.sentinel_ports),
+                    DOWN_AFTER.as_secs()
                 )
             }
         }
@@ -321,9 +322,38 @@ pub struct Group {
     node_ports: Vec<u16>,
     sentinel_ports: Vec<u16>,
     failovers: Mutex<Failovers>,
-    /// The primary's port as the nemesis left it, and whether one of its failovers is
+    /// The sentinels' configuration epoch as last seen, and the nemesis's own failover
     /// under way: [`Group::watch`] tells a failover the sentinels decided by themselves.
-    expected: Mutex<(u16, bool)>,
+    epochs: Mutex<Epochs>,
+}
+
+/// Every failover the sentinels make moves the master's `config-epoch`; one of the
+/// nemesis's failovers moves it once.
+#[derive(Default)]
+struct Epochs {
+    /// The last `config-epoch` seen.
+    seen: u64,
+    /// While a failover of the nemesis is under way: whether the change it makes was
+    /// seen already.
+    ours: Option<bool>,
+}
+
+impl Epochs {
+    /// `epoch` was read now; true if it is a change that no failover of the nemesis
+    /// explains.
+    fn saw(&mut self, epoch: u64) -> bool {
+        if epoch == self.seen {
+            return false;
+        }
+        self.seen = epoch;
+        match &mut self.ours {
+            Some(seen @ false) => {
+                *seen = true;
+                false
+            }
+            _ => true,
+        }
+    }
 }
 
 /// What the failovers of a run did, for the summary.
@@ -348,6 +378,12 @@ fn span(d: &[Duration]) -> String {
     format!("{:.2}-{:.2}s", min.as_secs_f64(), max.as_secs_f64())
 }
 
+/// The sentinels' `down-after-milliseconds`: long enough that a sentinel starved for a
+/// second does not take a primary for down and fail it over by itself (at 1 s, one
+/// starved right after a failover fails the newly promoted primary over too, and the
+/// writes that primary takes until its demotion are lost), short enough for a failover
+/// every few seconds.
+const DOWN_AFTER: Duration = Duration::from_secs(5);
 /// How long the replicas may take to catch up with a paused primary before the
 /// failover is given up (and the primary's clients resumed).
 const CATCH_UP: Duration = Duration::from_secs(15);
@@ -366,7 +402,7 @@ impl Group {
             ));
         }
         let group = tokio::task::spawn_blocking(|| {
-            RedisSentinels::start(
+            RedisSentinels::start_with_down_after(
                 2,
                 3,
                 &[
@@ -377,18 +413,18 @@ impl Group {
                     "--busy-reply-threshold",
                     "100",
                 ],
+                DOWN_AFTER,
             )
         })
         .await?
         .map_err(|e| Error::LocalRedis(format!("starting the Sentinel group: {e}")))?;
-        let first = group.nodes[0].port();
         Ok(Group {
             sentinel_urls: group.sentinel_urls(),
             node_ports: group.nodes.iter().map(RedisServer::port).collect(),
             sentinel_ports: group.sentinels.iter().map(|s| s.port()).collect(),
             group: Arc::new(Mutex::new(group)),
             failovers: Mutex::default(),
-            expected: Mutex::new((first, false)),
+            epochs: Mutex::default(),
         })
     }
 
@@ -417,12 +453,49 @@ impl Group {
     ///    starts again as a replica of the new one (with `--replicaof`: it never takes a
     ///    write with its old data).
     async fn failover(&self, down: Duration) -> Result<String> {
-        lock(&self.expected).1 = true;
+        lock(&self.epochs).ours = Some(false);
         let done = self.failover_steps(down).await;
-        let now = self.primary().await.map(|p| self.node_ports[p]);
-        let mut expected = lock(&self.expected);
-        *expected = (now.unwrap_or(expected.0), false);
+        // The change this failover made, if the watch has not seen it yet.
+        let now = self.epoch().await;
+        let mut epochs = lock(&self.epochs);
+        if let Some(epoch) = now {
+            epochs.saw(epoch);
+        }
+        epochs.ours = None;
         done
+    }
+
+    /// The master's `config-epoch` as a sentinel has it, and the port of the primary it
+    /// names.
+    async fn epoch(&self) -> Option<u64> {
+        Some(self.sentinel_view().await?.0)
+    }
+
+    async fn sentinel_view(&self) -> Option<(u64, u16)> {
+        for url in &self.sentinel_urls {
+            let Ok(mut c) = connect(url).await else {
+                continue;
+            };
+            let fields: redis::RedisResult<Vec<String>> = redis::cmd("SENTINEL")
+                .arg("MASTER")
+                .arg(MASTER_NAME)
+                .query_async(&mut c)
+                .await;
+            let Ok(fields) = fields else {
+                continue;
+            };
+            let get = |name: &str| {
+                fields
+                    .chunks(2)
+                    .find(|kv| kv[0] == name)
+                    .and_then(|kv| kv.get(1))
+                    .and_then(|v| v.parse().ok())
+            };
+            if let (Some(epoch), Some(port)) = (get("config-epoch"), get("port")) {
+                return Some((epoch, port as u16));
+            }
+        }
+        None
     }
 
     async fn failover_steps(&self, down: Duration) -> Result<String> {
@@ -521,42 +594,34 @@ impl Group {
         ))
     }
 
-    /// Until `stop`: every 500 ms, asks a sentinel where the primary is; a change that
-    /// no failover of the nemesis made is a note (the sentinels found the primary down
-    /// on their own, on a starved machine: the writes the old primary acknowledged and
-    /// had not replicated are lost by Redis, and a violation that follows may be that).
+    /// Until `stop`: every 500 ms, reads the sentinels' configuration epoch; a change
+    /// that no failover of the nemesis made is a note: the sentinels found a primary
+    /// silent for `down-after-milliseconds` on their own (a starved machine) and failed
+    /// it over, and such a failover loses the writes that the old primary takes until
+    /// it is demoted. A violation that follows may be that loss, Redis's doing.
     pub async fn watch(&self, verdicts: Arc<Verdicts>, stop: CancellationToken) {
-        let Some(url) = self.sentinel_urls.first().cloned() else {
-            return;
-        };
+        if let Some(epoch) = self.epoch().await {
+            lock(&self.epochs).seen = epoch;
+        }
         loop {
             tokio::select! {
                 _ = tokio::time::sleep(Duration::from_millis(500)) => {}
                 _ = stop.cancelled() => return,
             }
-            let Ok(mut c) = connect(&url).await else {
+            let Some((epoch, port)) = self.sentinel_view().await else {
                 continue;
             };
-            let named: redis::RedisResult<(String, u16)> = redis::cmd("SENTINEL")
-                .arg("GET-MASTER-ADDR-BY-NAME")
-                .arg(MASTER_NAME)
-                .query_async(&mut c)
-                .await;
-            let Ok((_, port)) = named else {
-                continue;
-            };
-            let mut expected = lock(&self.expected);
-            if !expected.1 && expected.0 != port {
-                let node = |p: u16| self.node_ports.iter().position(|&n| n == p);
+            let before = lock(&self.epochs).seen;
+            if lock(&self.epochs).saw(epoch) {
+                let node = self.node_ports.iter().position(|&n| n == port);
                 verdicts.note(format!(
-                    "at +{:.1}s the sentinels failed over by themselves, from node-{} to \
-                     node-{} (a primary that did not answer for 1 s on a starved machine): \
-                     writes it acknowledged and had not replicated are lost by Redis",
+                    "at +{:.1}s the sentinels failed over by themselves (configuration \
+                     epoch {before} -> {epoch}, primary now node-{}): the writes the old \
+                     primary took until its demotion are lost by Redis, and a violation \
+                     that follows may be that loss",
                     verdicts.elapsed().as_secs_f64(),
-                    node(expected.0).map_or("?".into(), |n| n.to_string()),
-                    node(port).map_or("?".into(), |n| n.to_string()),
+                    node.map_or("?".into(), |n| n.to_string()),
                 ));
-                expected.0 = port;
             }
         }
     }
