@@ -615,11 +615,10 @@ impl Group {
             if lock(&self.epochs).saw(epoch) {
                 let node = self.node_ports.iter().position(|&n| n == port);
                 verdicts.note(format!(
-                    "at +{:.1}s the sentinels failed over by themselves (configuration \
-                     epoch {before} -> {epoch}, primary now node-{}): the writes the old \
+                    "the sentinels failed over by themselves (configuration epoch \
+                     {before} -> {epoch}; a sentinel names node-{}): the writes the old \
                      primary took until its demotion are lost by Redis, and a violation \
                      that follows may be that loss",
-                    verdicts.elapsed().as_secs_f64(),
                     node.map_or("?".into(), |n| n.to_string()),
                 ));
             }
