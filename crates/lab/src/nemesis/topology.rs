@@ -118,6 +118,9 @@ impl Topology {
             Topology::Node(_) => None,
             Topology::Sentinel(group) => {
                 let f = lock(&group.failovers);
+                if f.promoted.is_empty() && f.given_up == 0 && f.no_promotion == 0 {
+                    return Some("0 failovers".into());
+                }
                 Some(format!(
                     "{} failovers: writes paused {} until the replicas held them all, a \
                      replica promoted {} after the SIGKILL, the old primary in sync as a \
