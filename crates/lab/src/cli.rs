@@ -48,6 +48,9 @@ pub enum Command {
 pub enum TopologyName {
     /// One private redis-server.
     Node,
+    /// A private Sentinel group: a primary, two replicas and three sentinels; the
+    /// janitor reaches it through the sentinels only.
+    Sentinel,
 }
 
 /// A nemesis run. It always starts its own Redis; the janitor's processes run with the

@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 pub const MASTER_NAME: &str = "mymaster";
 
 /// A primary with replicas, watched by sentinels that fail over within seconds
-/// (`down-after-milliseconds` 1000).
+/// (`down-after-milliseconds` 1000 unless started with another).
 pub struct RedisSentinels {
     /// `nodes[0]` is the first primary, the rest its replicas; a failover changes roles,
     /// not this order ([`RedisSentinels::primary`] says which is the primary now).
@@ -63,7 +63,7 @@ impl SentinelProcess {
         )
     }
 
-    fn start(monitor_port: u16, quorum: usize) -> Result<Self> {
+    fn start(monitor_port: u16, quorum: usize, down_after: Duration) -> Result<Self> {
         let mut last_error = None;
         // A port found free can be taken by someone else before the sentinel binds it.
         for _ in 0..5 {
@@ -73,10 +73,11 @@ impl SentinelProcess {
             let text = format!(
                 "port {port}\nbind 127.0.0.1\ndir {dir}\nlogfile {dir}/sentinel.log\n\
                  sentinel monitor {MASTER_NAME} 127.0.0.1 {monitor_port} {quorum}\n\
-                 sentinel down-after-milliseconds {MASTER_NAME} 1000\n\
+                 sentinel down-after-milliseconds {MASTER_NAME} {down_after}\n\
                  sentinel failover-timeout {MASTER_NAME} 10000\n\
                  sentinel parallel-syncs {MASTER_NAME} 1\n",
-                dir = dir.path().display()
+                dir = dir.path().display(),
+                down_after = down_after.as_millis()
             );
             std::fs::write(&conf, text).map_err(|e| Error::io("writing sentinel.conf", e))?;
             let child = Command::new(server_binary())
@@ -131,6 +132,18 @@ impl RedisSentinels {
     /// sentinel knows every replica and every other sentinel, so that a failover can
     /// happen at once.
     pub fn start(replicas: usize, sentinels: usize, node_args: &[&str]) -> Result<Self> {
+        Self::start_with_down_after(replicas, sentinels, node_args, Duration::from_secs(1))
+    }
+
+    /// [`RedisSentinels::start`], with the sentinels' `down-after-milliseconds` at
+    /// `down_after` (1 s there): how long a primary may go without answering before a
+    /// sentinel finds it down.
+    pub fn start_with_down_after(
+        replicas: usize,
+        sentinels: usize,
+        node_args: &[&str],
+        down_after: Duration,
+    ) -> Result<Self> {
         // Replicas sync at once, not after the default 5 s.
         let mut args = vec!["--repl-diskless-sync-delay", "0"];
         args.extend_from_slice(node_args);
@@ -144,7 +157,7 @@ impl RedisSentinels {
         }
         let quorum = sentinels / 2 + 1;
         let sentinels = (0..sentinels)
-            .map(|_| SentinelProcess::start(nodes[0].port(), quorum))
+            .map(|_| SentinelProcess::start(nodes[0].port(), quorum, down_after))
             .collect::<Result<Vec<_>>>()?;
         let group = RedisSentinels { nodes, sentinels };
         group.wait_ready(replicas, Duration::from_secs(60))?;

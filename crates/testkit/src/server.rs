@@ -136,6 +136,17 @@ impl RedisServer {
         }
     }
 
+    /// Starts the server again after [`RedisServer::kill`], with `extra` arguments after
+    /// its own for this start only (`["--replicaof", "127.0.0.1", "<port>"]`: a former
+    /// primary that comes back as a replica and never takes a write).
+    pub fn restart_with(&mut self, extra: &[&str]) -> Result<()> {
+        let kept = self.args.clone();
+        self.args.extend(extra.iter().map(|s| s.to_string()));
+        let restarted = self.restart();
+        self.args = kept;
+        restarted
+    }
+
     /// A command's text reply from this server over a fresh connection, or None.
     pub(super) fn query_text(&self, cmd: &redis::Cmd) -> Option<String> {
         let client = redis::Client::open(self.url()).ok()?;

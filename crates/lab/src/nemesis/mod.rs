@@ -40,7 +40,7 @@ use fleet::{Fleet, Params};
 use observer::{Observer, NONCE};
 use procs::Janitors;
 use schedule::{Fault, RunShape, Schedule, Shape};
-use topology::{Node, Topology};
+use topology::{Group, Node, Topology};
 use verdicts::{invariant, Verdicts};
 
 /// What a run ended with.
@@ -110,6 +110,7 @@ pub async fn run(base: &Settings, options: &Options) -> anyhow::Result<Outcome> 
     }
     let topology = Arc::new(match options.topology {
         TopologyName::Node => Topology::Node(Node::start().await?),
+        TopologyName::Sentinel => Topology::Sentinel(Group::start().await?),
     });
     let settings = run_settings(base, &topology);
     settings.validate()?;
@@ -137,8 +138,10 @@ pub async fn run(base: &Settings, options: &Options) -> anyhow::Result<Outcome> 
     };
     report::header(seed, options, &settings, &topology, &schedule);
 
-    let client = conn::client(&settings.redis_url)?;
-    let conn = conn::shared(&client)?;
+    // The janitor's own connections: to the one node, or to the primary the sentinels
+    // name, followed across failovers.
+    let target = conn::target_for(&settings)?;
+    let conn = conn::shared_for(&target).await?;
     let verdicts = Arc::new(Verdicts::new(Instant::now()));
     let params = Params {
         layout: settings.layout,
@@ -153,8 +156,8 @@ pub async fn run(base: &Settings, options: &Options) -> anyhow::Result<Outcome> 
     let fleet = Fleet::new(
         keys.clone(),
         params,
-        conn::shared(&client)?,
-        conn::shared(&client)?,
+        conn::shared_for(&target).await?,
+        conn::shared_for(&target).await?,
         verdicts.clone(),
         seed,
         verdicts.stop.clone(),
@@ -198,6 +201,14 @@ pub async fn run(base: &Settings, options: &Options) -> anyhow::Result<Outcome> 
     let load = tokio::spawn(fleet.clone().run_load());
     let watching = tokio_util::sync::CancellationToken::new();
     let watch = tokio::spawn(watch(observer.clone(), verdicts.clone(), watching.clone()));
+    let sentinels = tokio::spawn({
+        let (topology, verdicts, stop) = (topology.clone(), verdicts.clone(), watching.clone());
+        async move {
+            if let Topology::Sentinel(group) = &*topology {
+                group.watch(verdicts, stop).await;
+            }
+        }
+    });
     let faults = tokio::spawn(inject(ctx.clone(), schedule.clone(), verdicts.clone()));
     let progress = tokio::spawn(progress(
         ctx.clone(),
@@ -226,6 +237,7 @@ pub async fn run(base: &Settings, options: &Options) -> anyhow::Result<Outcome> 
     }
     watching.cancel();
     let _ = watch.await;
+    let _ = sentinels.await;
     progress.abort();
     if !verdicts.failed() {
         final_checks(&ctx, &verdicts).await;
@@ -287,6 +299,7 @@ pub async fn run(base: &Settings, options: &Options) -> anyhow::Result<Outcome> 
         janitors: &lock(&janitors),
         settled_in,
         logs: kept_logs.as_deref().or(options.log_dir.as_deref()),
+        redis: topology.summary().as_deref(),
     });
     Ok(Outcome {
         seed,
@@ -384,6 +397,10 @@ async fn apply(ctx: &Ctx, index: usize, fault: Fault) -> String {
             tokio::time::sleep(down).await;
             restart_redis(ctx).await
         }
+        Fault::SentinelFailover { down } => match ctx.topology.failover(down).await {
+            Ok(note) => note,
+            Err(e) => format!("the failover failed: {e}"),
+        },
         Fault::Busy { busy } => match ctx.topology.busy(busy).await {
             Ok(()) => "ran".into(),
             Err(e) => format!("the script failed: {e}"),

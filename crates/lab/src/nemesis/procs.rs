@@ -19,7 +19,7 @@ use registry_janitor::{
 /// The janitor's settings as the environment of its processes. Every other `JANITOR_*`
 /// variable of this process is left out, so that the run is what its flags say.
 pub fn janitor_env(s: &Settings) -> Vec<(String, String)> {
-    let env = vec![
+    let mut env = vec![
         ("JANITOR_REDIS_URL", s.redis_url.clone()),
         ("JANITOR_KEY_PREFIX", s.key_prefix.clone()),
         ("JANITOR_LAYOUT", s.layout.as_str().to_owned()),
@@ -57,6 +57,14 @@ pub fn janitor_env(s: &Settings) -> Vec<(String, String)> {
         ("JANITOR_EVICTIONS_STREAM", s.evictions_stream.clone()),
         ("JANITOR_METRICS_ADDR", "off".to_owned()),
     ];
+    if s.uses_sentinel() {
+        let urls: Vec<String> = s.redis_sentinels.iter().map(|u| format!("{u:?}")).collect();
+        env.push(("JANITOR_REDIS_SENTINELS", format!("[{}]", urls.join(","))));
+        env.push((
+            "JANITOR_REDIS_SENTINEL_MASTER",
+            s.redis_sentinel_master.clone().unwrap_or_default(),
+        ));
+    }
     env.into_iter().map(|(k, v)| (k.to_owned(), v)).collect()
 }
 

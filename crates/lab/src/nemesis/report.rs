@@ -23,6 +23,12 @@ pub fn replay(seed: u64, options: &Options, layout: &str) -> String {
         "registry-janitor-lab nemesis --seed {seed} --duration {}s --layout {layout}",
         options.duration.as_secs()
     );
+    if options.topology != crate::cli::TopologyName::Node {
+        let topology = clap::ValueEnum::to_possible_value(&options.topology)
+            .map(|v| v.get_name().to_owned())
+            .unwrap_or_default();
+        line.push_str(&format!(" --topology {topology}"));
+    }
     let defaults = [
         (options.workers, 3, "--workers"),
         (options.servers, 12, "--servers"),
@@ -85,6 +91,8 @@ pub struct Inputs<'a> {
     pub janitors: &'a Janitors,
     pub settled_in: Option<Duration>,
     pub logs: Option<&'a Path>,
+    /// What was done to Redis itself ([`Topology::summary`]).
+    pub redis: Option<&'a str>,
 }
 
 fn mib(bytes: u64) -> String {
@@ -121,6 +129,9 @@ pub fn summary(i: &Inputs<'_>) {
         .collect();
     for chunk in kinds.chunks(4) {
         println!("              {}", chunk.join(", "));
+    }
+    if let Some(line) = i.redis {
+        println!("  redis       {line}");
     }
     let s = &i.fleet.stats;
     println!(

@@ -25,16 +25,35 @@ pub enum Kind {
     DeadUnknown,
     DeadAgain,
     Malformed,
+    SentinelFailover,
 }
 
 impl Kind {
-    /// Every kind a single node takes (Sentinel and cluster failovers and network
-    /// partitions need topologies of their own).
+    /// Every kind a single node takes (failovers and network partitions need
+    /// topologies of their own).
     pub const NODE: [Kind; 11] = [
         Kind::WorkerKill,
         Kind::WorkerPause,
         Kind::RedisRestart,
         Kind::Busy,
+        Kind::OomSqueeze,
+        Kind::Zombie,
+        Kind::ServerCrash,
+        Kind::ZoneOutage,
+        Kind::DeadUnknown,
+        Kind::DeadAgain,
+        Kind::Malformed,
+    ];
+
+    /// Every kind a Sentinel group takes: a failover of the primary instead of a restart
+    /// of the one node, and no BUSY script. A primary that answers BUSY for longer than
+    /// the sentinels' `down-after-milliseconds` is down for them: they kill the script
+    /// and fail over, and the writes the old primary takes between the script's end and
+    /// its demotion are lost by Redis, whatever the janitor does.
+    pub const SENTINEL: [Kind; 10] = [
+        Kind::WorkerKill,
+        Kind::WorkerPause,
+        Kind::SentinelFailover,
         Kind::OomSqueeze,
         Kind::Zombie,
         Kind::ServerCrash,
@@ -57,20 +76,24 @@ impl Kind {
             Kind::DeadUnknown => "dead-unknown",
             Kind::DeadAgain => "dead-again",
             Kind::Malformed => "malformed-entries",
+            Kind::SentinelFailover => "sentinel-failover",
         }
     }
 
     fn weight(self) -> u32 {
         match self {
             Kind::WorkerKill | Kind::ServerCrash => 3,
-            Kind::WorkerPause => 2,
+            Kind::WorkerPause | Kind::SentinelFailover => 2,
             _ => 1,
         }
     }
 
     /// A fault on Redis itself: such faults never overlap.
     fn on_redis(self) -> bool {
-        matches!(self, Kind::RedisRestart | Kind::Busy | Kind::OomSqueeze)
+        matches!(
+            self,
+            Kind::RedisRestart | Kind::Busy | Kind::OomSqueeze | Kind::SentinelFailover
+        )
     }
 }
 
@@ -152,6 +175,11 @@ pub enum Fault {
     DeadAgain { pick: u32 },
     /// Malformed entries on the events stream.
     Malformed { shapes: Vec<Shape> },
+    /// The Sentinel group's primary is SIGKILLed once its replicas hold every write it
+    /// acknowledged (its clients paused meanwhile); the sentinels promote a replica; the
+    /// old primary starts again `down` after the kill (not before the promotion), as a
+    /// replica of the new one.
+    SentinelFailover { down: Duration },
 }
 
 impl Fault {
@@ -168,6 +196,7 @@ impl Fault {
             Fault::DeadUnknown { .. } => Kind::DeadUnknown,
             Fault::DeadAgain { .. } => Kind::DeadAgain,
             Fault::Malformed { .. } => Kind::Malformed,
+            Fault::SentinelFailover { .. } => Kind::SentinelFailover,
         }
     }
 }
@@ -228,6 +257,9 @@ impl fmt::Display for Fault {
                 }
             ),
             Fault::DeadUnknown { count } => write!(f, "{name} x{count}"),
+            Fault::SentinelFailover { down } => {
+                write!(f, "{name}, the old primary back after {}", secs(*down))
+            }
             Fault::DeadAgain { pick } => write!(f, "{name} (pick {pick})"),
             Fault::Malformed { shapes } => {
                 let names: Vec<&str> = shapes.iter().map(|s| s.name()).collect();
@@ -370,6 +402,14 @@ impl Schedule {
                         }
                     })
                 }
+                Kind::SentinelFailover => {
+                    let down = ms(&mut rng, 4000, 10000);
+                    // The promotion takes the sentinels' `down-after-milliseconds` (5 s)
+                    // and an election; the next fault on Redis comes once the old primary
+                    // is back and in sync.
+                    redis_free = t + down + Duration::from_secs(10);
+                    Some(Fault::SentinelFailover { down })
+                }
                 Kind::DeadUnknown => Some(Fault::DeadUnknown {
                     count: rng.random_range(1..4),
                 }),
@@ -439,6 +479,55 @@ mod tests {
             assert!(counts.get(&kind).copied().unwrap_or(0) > 0, "no {kind:?}");
         }
         assert!(counts[&Kind::ZoneOutage] >= 2, "{counts:?}");
+    }
+
+    /// The suite's Sentinel run (`crates/lab/tests/nemesis.rs`) uses seed 482: three
+    /// failovers in 45 s, among eight kinds of faults.
+    #[test]
+    fn the_suites_sentinel_seed_draws_three_failovers_in_45_s() {
+        let s = Schedule::draw(
+            482,
+            &RunShape {
+                duration: Duration::from_secs(45),
+                kinds: Kind::SENTINEL.to_vec(),
+                ..shape()
+            },
+        );
+        let counts = s.counts();
+        assert_eq!(counts.get(&Kind::SentinelFailover), Some(&3), "{counts:?}");
+        assert!(counts.len() >= 8, "{counts:?}");
+    }
+
+    #[test]
+    fn a_sentinel_schedule_fails_over_and_never_restarts_or_blocks_the_primary() {
+        for seed in 0..50 {
+            let s = Schedule::draw(
+                seed,
+                &RunShape {
+                    kinds: Kind::SENTINEL.to_vec(),
+                    ..shape()
+                },
+            );
+            let counts = s.counts();
+            assert!(counts[&Kind::SentinelFailover] >= 8, "{seed}: {counts:?}");
+            assert!(!counts.contains_key(&Kind::RedisRestart), "{seed}");
+            assert!(!counts.contains_key(&Kind::Busy), "{seed}");
+            let mut redis_until = Duration::ZERO;
+            for p in &s.faults {
+                let d = match &p.fault {
+                    // The failover's own steps take a few seconds past `down`.
+                    Fault::SentinelFailover { down } => *down + Duration::from_secs(10),
+                    Fault::OomSqueeze { squeeze, .. } => *squeeze,
+                    _ => continue,
+                };
+                assert!(
+                    p.at >= redis_until,
+                    "{seed}: Redis faults overlap at {:?}",
+                    p.at
+                );
+                redis_until = p.at + d;
+            }
+        }
     }
 
     #[test]
