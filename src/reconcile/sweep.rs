@@ -44,6 +44,7 @@ impl Reconciler {
         let silence = self.silence_proves_death().await?;
         // Read last, right before the step: an outage during the reads above holds it.
         let hold = self.hold().await?;
+        let bound = self.reach.time_bound_ms();
         let pattern = match self.settings.layout {
             crate::config::Layout::Conns => self.keys.user_conns_pattern(),
             _ => crate::keys::pattern_under(&self.keys.user_key_prefix()),
@@ -65,8 +66,12 @@ impl Reconciler {
             })
             .arg(pattern)
             .arg(cursor.unwrap_or(""))
-            .arg(if hold.is_ready() { "0" } else { "1" });
+            .arg(if hold.is_ready() { "0" } else { "1" })
+            .arg(bound.map_or(String::new(), |b| b.to_string()));
         let step: ForwardStep = call.invoke_async(&mut self.conn.clone()).await?;
+        if let Some(redis_ms) = step.past_bound {
+            self.reach.verdict_past_bound(redis_ms);
+        }
         self.metrics.drift_entries_removed.inc_by(step.removed);
         self.metrics.observe_evictions(step.announced, step.removed);
         Ok((step.next, step.scanned, step.removed))
@@ -248,16 +253,22 @@ struct ForwardStep {
     scanned: u64,
     removed: u64,
     announced: u64,
+    /// Redis's time, when it was past the guard's bound (the step then held).
+    past_bound: Option<u64>,
 }
 
 impl redis::FromRedisValue for ForwardStep {
     fn from_redis_value(v: redis::Value) -> std::result::Result<Self, redis::ParsingError> {
-        let mut f = Fields::new("sweep_forward.lua", v, 4)?;
+        let mut f = Fields::new("sweep_forward.lua", v, 5)?;
         Ok(ForwardStep {
             next: f.next("next cursor")?,
             scanned: f.next("scanned")?,
             removed: f.next("removed")?,
             announced: f.next("announced")?,
+            past_bound: match f.next::<u64>("past the bound")? {
+                0 => None,
+                redis_ms => Some(redis_ms),
+            },
         })
     }
 }

@@ -321,14 +321,21 @@ impl Reconciler {
                     .to_owned()
             })
             .collect();
+        // Taken before the reads: Redis's time past it (a step of its clock, or reads
+        // that waited in its queue) holds these verdicts.
+        let bound = self.reach.time_bound_ms();
         let alive: Vec<bool> = conn::each_in_flight(&self.conn, exists).await?;
         // The scores and Redis's time, in the slot of `servers`.
         let names: Vec<&str> = owners.iter().map(|s| s.as_str()).collect();
         let seen = self.lowered(&names).await?;
         let (now, scores) = (seen.now_ms, seen.scores);
         let fenced: Vec<bool> = conn::each_in_flight(&self.conn, fences).await?;
+        let past_bound = bound.is_some_and(|b| now > b);
+        if past_bound {
+            self.reach.verdict_past_bound(now);
+        }
         // Read after the owners: an outage meanwhile holds these verdicts too.
-        let holding = !self.hold().await?.is_ready();
+        let holding = past_bound || !self.hold().await?.is_ready();
         let silence = self.silence_proves_death().await?;
         let grace = self.settings.heartbeat_grace_ms;
         let mut removed = 0;

@@ -19,18 +19,27 @@
 -- ARGV[5] MATCH pattern of forward keys (layouts keys and conns)  ARGV[6] cursor, or '' for the stored one
 -- ARGV[7] '1' while Redis has not been reachable for a full grace since its last outage
 --         (src/guard/reachable.rs): only entries of fenced owners are deleted then
--- Returns {next cursor, entries scanned, entries removed, evictions entries written}
+-- ARGV[8] the latest Redis time (unix ms) this call may read if Redis's clock has not
+--         stepped forward and the call has not waited in Redis's queue since the guard
+--         last observed Redis ('' for no bound): past it, the step holds as under ARGV[7]
+-- Returns {next cursor, entries scanned, entries removed, evictions entries written,
+--          Redis's time (unix ms) if it was past ARGV[8], else 0}
 
 local registry_key, sweep_key, servers_key = KEYS[1], KEYS[2], KEYS[3]
 local layout = ARGV[1]
 local prefix, grace = ARGV[3], tonumber(ARGV[4])
 local cutoff = 0
+local holding = ARGV[7] == '1'
+local past_bound = 0
 if grace >= 0 then
   local t = redis.call('TIME')
-  cutoff = t[1] * 1000 + math.floor(t[2] / 1000) - grace
+  local now = t[1] * 1000 + math.floor(t[2] / 1000)
+  cutoff = now - grace
+  if not holding and ARGV[8] ~= '' and now > tonumber(ARGV[8]) then
+    holding, past_bound = true, now
+  end
 end
 local cursor = ARGV[6]
-local holding = ARGV[7] == '1'
 local evictions = KEYS[4]
 local check = check_evictions_stream(evictions)
 if check then return check end
@@ -119,4 +128,4 @@ for _, owner in ipairs(owner_order) do
   announced = announced + announce_members(evictions, owner, '', 'sweep', by_owner[owner], layout)
 end
 redis.call('HSET', sweep_key, 'cursor', next_cursor)
-return {next_cursor, #users, removed, announced}
+return {next_cursor, #users, removed, announced, past_bound}
