@@ -23,7 +23,8 @@ pub struct Status {
     pub stream_length: u64,
     /// False until a worker has created the consumer group.
     pub group_exists: bool,
-    /// Entries not yet delivered to any consumer of the group (Redis 7 `lag`).
+    /// Entries not yet delivered to any consumer of the group (Redis 7 `lag`; where the
+    /// server gives none, 0 if no entry is after the last delivered one, else unknown).
     pub lag: Option<u64>,
     /// Entries delivered but not acknowledged.
     pub pending: u64,
@@ -205,6 +206,22 @@ pub async fn collect_from(conn: &RedisConn, keys: &Keys) -> Result<Status> {
     status.group_exists = true;
     status.pending = int(group.get("pending")).unwrap_or(0);
     status.lag = int(group.get("lag"));
+    if status.lag.is_none() {
+        // Redis 6.2 gives no `lag` (and 7.0 none after some deletions): no entry is
+        // undelivered when the newest one is not after the group's last delivered one.
+        let newest: Vec<(String, Value)> = redis::cmd("XREVRANGE")
+            .arg(keys.events())
+            .arg("+")
+            .arg("-")
+            .arg("COUNT")
+            .arg(1)
+            .query_async(&mut c)
+            .await?;
+        status.lag = lag_from_ids(
+            &text(group.get("last-delivered-id")),
+            newest.first().map(|(id, _)| id.as_str()),
+        );
+    }
     let consumers: Vec<HashMap<String, Value>> = redis::cmd("XINFO")
         .arg("CONSUMERS")
         .arg(keys.events())
@@ -226,6 +243,19 @@ async fn exists(c: &mut RedisConn, key: &str) -> Result<bool> {
     Ok(redis::cmd("EXISTS").arg(key).query_async::<i64>(c).await? == 1)
 }
 
+/// The lag of a group whose server does not report it: 0 when the stream's newest entry
+/// (`newest`, None for an empty stream) is not after `last_delivered`, else unknown.
+fn lag_from_ids(last_delivered: &str, newest: Option<&str>) -> Option<u64> {
+    fn parse(id: &str) -> Option<(u64, u64)> {
+        let (ms, seq) = id.split_once('-')?;
+        Some((ms.parse().ok()?, seq.parse().ok()?))
+    }
+    let Some(newest) = newest else {
+        return Some(0);
+    };
+    (parse(newest)? <= parse(last_delivered)?).then_some(0)
+}
+
 fn text(v: Option<&Value>) -> String {
     match v {
         Some(Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
@@ -239,5 +269,31 @@ fn int(v: Option<&Value>) -> Option<u64> {
         Some(Value::Int(i)) => u64::try_from(*i).ok(),
         Some(Value::BulkString(b)) => std::str::from_utf8(b).ok()?.parse().ok(),
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod lag_tests {
+    use super::lag_from_ids;
+
+    #[test]
+    fn a_group_at_the_newest_entry_has_no_lag() {
+        assert_eq!(
+            lag_from_ids("1700000000000-3", Some("1700000000000-3")),
+            Some(0)
+        );
+        assert_eq!(
+            lag_from_ids("1700000000001-0", Some("1700000000000-9")),
+            Some(0)
+        );
+        assert_eq!(lag_from_ids("0-0", None), Some(0));
+        // Compared as numbers, not text.
+        assert_eq!(lag_from_ids("10-0", Some("9-0")), Some(0));
+        assert_eq!(lag_from_ids("9-0", Some("10-0")), None);
+        assert_eq!(
+            lag_from_ids("1700000000000-3", Some("1700000000000-4")),
+            None
+        );
+        assert_eq!(lag_from_ids("", Some("1-0")), None);
     }
 }

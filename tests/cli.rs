@@ -296,8 +296,8 @@ async fn text_logs_to_a_file_have_no_colour_codes() {
 }
 
 /// A Redis that renames EVAL and EVALSHA (as some managed services and proxies can): the
-/// worker stops at start-up saying that it needs Lua scripts, rather than dead-lettering
-/// every event later. The events stay in the stream for a worker on a Redis that can.
+/// worker and the reconciler stop at start-up saying that they need Lua scripts, rather
+/// than dead-lettering every event later. The events stay in the stream for a worker on a Redis that can.
 #[test]
 fn a_redis_without_lua_scripts_stops_the_worker_at_start_up() {
     let redis = redis_with(&[
@@ -309,7 +309,12 @@ fn a_redis_without_lua_scripts_stops_the_worker_at_start_up() {
         "EVALSHA_renamed_by_the_test",
     ]);
     let settings = settings(&redis, Layout::Hash);
-    let (code, _, stderr) = run(janitor(&settings).arg("worker"));
-    assert_ne!(code, 0, "the worker ran without Lua scripts: {stderr}");
-    assert!(stderr.contains("refuses Lua scripts"), "{stderr}");
+    for command in ["worker", "reconcile"] {
+        let (code, _, stderr) = run(janitor(&settings).arg(command));
+        assert_ne!(code, 0, "{command} ran without Lua scripts: {stderr}");
+        assert!(
+            stderr.contains("refuses Lua scripts"),
+            "{command}: {stderr}"
+        );
+    }
 }

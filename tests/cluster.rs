@@ -1655,3 +1655,38 @@ async fn a_blocking_read_longer_than_the_command_timeout_answers() {
     assert_eq!(read, redis::Value::Nil);
     assert!(started.elapsed() >= Duration::from_millis(5_900));
 }
+
+/// The cluster walk's scripts declare flags (`#!lua flags=...`), which Redis before 7.0
+/// refuses. On such a cluster the worker and the reconciler stop at start-up with an error
+/// naming the reason and the version needed, instead of dead-lettering every event; on
+/// 7.0 or later the same start-up check passes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_older_than_redis_7_stops_the_worker_at_start_up() {
+    let Some(f) = ClusterFixture::start(3, 0, Layout::Hash, 100).await else {
+        return;
+    };
+    let version = f.cluster.nodes[0]
+        .redis_version()
+        .expect("INFO server gives redis_version");
+    if version >= (7, 0, 0) {
+        let checked = registry_janitor::cleanup::check_scripting(&f.conn).await;
+        assert!(checked.is_ok(), "redis_version {version:?}: {checked:?}");
+        return;
+    }
+    for command in ["worker", "reconcile"] {
+        let process = WorkerProcess::start_command(
+            &f.settings,
+            &[("JANITOR_REDIS_CLUSTER", "true")],
+            &[command],
+        );
+        let (status, log) = process.wait(Duration::from_secs(60));
+        assert!(
+            status.is_some_and(|s| !s.success()),
+            "{command} on a Redis {version:?} cluster did not stop with an error: {status:?}\n{log}"
+        );
+        assert!(
+            log.contains("refuses scripts with flags") && log.contains("Redis 7.0 or later"),
+            "{command}: {log}"
+        );
+    }
+}

@@ -295,6 +295,18 @@ impl Reconciler {
             grace_ms = this.settings.heartbeat_grace_ms,
             "reconciler starting"
         );
+        // The worker's start-up check: scripts run, and on a cluster they may declare flags
+        // (the drift sweep deletes with the cluster walk's check-and-delete scripts).
+        match this
+            .watch()
+            .retrying("checking Lua scripting", &shutdown, || {
+                crate::cleanup::check_scripting(&this.conn)
+            })
+            .await
+        {
+            Err(Error::Cancelled) => return Ok(()),
+            other => other?,
+        }
         let _stop_ping = crate::health::spawn_redis_watch(
             this.conn.clone(),
             this.metrics.redis_up.clone(),

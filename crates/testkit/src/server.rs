@@ -156,6 +156,14 @@ impl RedisServer {
         cmd.query(&mut c).ok()
     }
 
+    /// The Redis version this server reports (`redis_version` of `INFO server`), as
+    /// (major, minor, patch), or None if it does not answer or gives none. Valkey reports
+    /// the Redis version it is compatible with there (Valkey 8.0: 7.2.4), which is what
+    /// decides the commands and script features it has.
+    pub fn redis_version(&self) -> Option<(u32, u32, u32)> {
+        parse_redis_version(&self.query_text(redis::cmd("INFO").arg("server"))?)
+    }
+
     fn log_path(&self) -> PathBuf {
         self.dir.path().join("redis.log")
     }
@@ -233,4 +241,35 @@ pub(super) fn free_port() -> Result<u16> {
         .local_addr()
         .map(|a| a.port())
         .map_err(|e| Error::io("finding a free port", e))
+}
+
+/// The `redis_version` field of an `INFO` reply, as (major, minor, patch).
+fn parse_redis_version(info: &str) -> Option<(u32, u32, u32)> {
+    let value = info
+        .lines()
+        .find_map(|l| l.trim_end().strip_prefix("redis_version:"))?;
+    let mut parts = value.splitn(3, '.').map(|p| p.parse::<u32>().ok());
+    Some((parts.next()??, parts.next()??, parts.next()??))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_redis_version;
+
+    #[test]
+    fn the_redis_version_is_read_from_info() {
+        let redis_6 = "# Server\r\nredis_version:6.2.16\r\nredis_git_sha1:00000000\r\n";
+        assert_eq!(parse_redis_version(redis_6), Some((6, 2, 16)));
+        let redis_7 = "# Server\r\nredis_version:7.0.15\r\nredis_mode:standalone\r\n";
+        assert_eq!(parse_redis_version(redis_7), Some((7, 0, 15)));
+        // Valkey gives the Redis version it is compatible with, then its own.
+        let valkey_8 =
+            "# Server\r\nredis_version:7.2.4\r\nserver_name:valkey\r\nvalkey_version:8.0.1\r\n";
+        assert_eq!(parse_redis_version(valkey_8), Some((7, 2, 4)));
+        let unstable = "# Server\r\nredis_version:255.255.255\r\n";
+        assert_eq!(parse_redis_version(unstable), Some((255, 255, 255)));
+        assert_eq!(parse_redis_version("# Server\r\nrun_id:abc\r\n"), None);
+        assert_eq!(parse_redis_version("redis_version:seven\r\n"), None);
+        assert_eq!(parse_redis_version("redis_version:7.2\r\n"), None);
+    }
 }
