@@ -201,10 +201,9 @@ async fn verdict_after_a_step(first_master: bool) -> Option<Verdict> {
     Some(verdict)
 }
 
-/// A step of the clock of the master of `servers`, which is not the first master.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_clock_step_on_the_master_of_servers_declares_no_live_server_dead() {
-    let Some(verdict) = verdict_after_a_step(false).await else {
+/// `verdict` is no `server.dead` for the server that heartbeated 100 ms before the step.
+fn assert_not_declared_dead(verdict: Option<Verdict>) {
+    let Some(verdict) = verdict else {
         return;
     };
     assert!(
@@ -214,17 +213,16 @@ async fn a_clock_step_on_the_master_of_servers_declares_no_live_server_dead() {
     );
 }
 
+/// A step of the clock of the master of `servers`, which is not the first master.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clock_step_on_the_master_of_servers_declares_no_live_server_dead() {
+    assert_not_declared_dead(verdict_after_a_step(false).await);
+}
+
 /// The same, `servers` on the first master by address.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_clock_step_on_the_first_master_declares_no_live_server_dead() {
-    let Some(verdict) = verdict_after_a_step(true).await else {
-        return;
-    };
-    assert!(
-        !matches!(verdict, Verdict::Published(_)),
-        "a server that heartbeated 100 ms ago was declared dead (server.dead published) \
-         after the clock of the master of `servers` stepped {STEP_MS} ms forward: {verdict:?}"
-    );
+    assert_not_declared_dead(verdict_after_a_step(true).await);
 }
 
 /// One node: the same step, checked by report_dead.lua, which reads TIME in the same
