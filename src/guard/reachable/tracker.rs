@@ -108,6 +108,11 @@ impl Hold {
     }
 }
 
+/// The least slack of [`Tracker::redis_time_bound`] whatever the grace: the clocks are
+/// read in whole milliseconds and a script waits its turn in Redis's queue, so a bound
+/// without slack (a grace of a few ms) would hold every verdict.
+const BOUND_SLACK_FLOOR_MS: u64 = 250;
+
 /// The reachable-time state machine, without I/O: every time is given to it, so that
 /// the tests can move clocks.
 #[derive(Debug)]
@@ -252,11 +257,13 @@ impl Tracker {
 
     /// The latest Redis time (unix ms) that can be read at monotonic time `mono_now_ms`
     /// if Redis's clock has not stepped forward since the last observation: its TIME
-    /// then, plus all the monotonic time since it was sent, plus the tolerance. `None`
+    /// then, plus all the monotonic time since it was sent, plus the tolerance (at least
+    /// 250 ms). `None`
     /// before any observation.
     pub fn redis_time_bound(&self, mono_now_ms: u64) -> Option<u64> {
         let l = self.last.as_ref()?;
-        Some(l.redis_ms + mono_now_ms.saturating_sub(l.sent_mono_ms) + self.tolerance_ms)
+        let slack = self.tolerance_ms.max(BOUND_SLACK_FLOOR_MS);
+        Some(l.redis_ms + mono_now_ms.saturating_sub(l.sent_mono_ms) + slack)
     }
 
     /// May verdicts on silent servers be taken at monotonic time `mono_now_ms`?
