@@ -167,20 +167,16 @@ async fn a_master_killed_after_the_walk_with_its_replica_behind_loses_no_delete(
     worker.stop().await;
 }
 
-/// The end of a cluster walk asks, with WAIT on every master, whether the replicas hold
-/// the walk's deletes (`wait_for_replicas` in src/cleanup/cluster.rs). WAIT counts from
-/// the replication offset of the client connection it is sent on. Once the cluster
-/// connection has been built again (src/conn/cluster_conn.rs), WAIT goes out on a new
-/// connection to each master, one that made none of the deletes: were its offset 0, WAIT
-/// would answer at once that every replica holds everything, and a walk whose
-/// connection is rebuilt between its deletes and its WAIT would be acknowledged while a
-/// replica lacks them. It is not so: Redis 7.0 gives a client the offset of the
-/// replication stream at its last command, and `replicated_on` sends CLUSTER MYID in the
-/// same pipeline before the WAIT, so the new connection's WAIT covers every write made
-/// before it, on whichever connection. This test keeps that reliance checked: a replica
-/// paused (SIGSTOP), a write it cannot hold, the connection built again (the trigger is
-/// made up, as in tests/cluster.rs), and `wait_replicated` must still say the replica
-/// does not hold the write.
+/// The end of a cluster walk asks every master whether its replicas hold the walk's
+/// deletes (`wait_for_replicas` in src/cleanup/cluster.rs). Once the cluster connection
+/// has been built again (src/conn/cluster_conn.rs), the question goes out on a new
+/// connection that made none of the deletes. WAIT counts from the offset of the
+/// connection it is sent on, and on Redis 7.4 a new connection's WAIT is answered at once;
+/// the answer must still be "not held" while a replica lacks the writes, as it is judged
+/// by the replicas' acknowledged offsets against the master's. A replica paused
+/// (SIGSTOP), a write it cannot hold, the connection built again (the trigger is made up,
+/// as in tests/cluster.rs), and `wait_replicated` must still say the replica does not
+/// hold the write.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rebuilt_cluster_connection_still_waits_for_the_replicas() {
     init_logs();

@@ -70,13 +70,16 @@ async fn a_slot_of_each_master(conn: &RedisConn) -> Result<Option<Vec<(u16, Stri
     Ok((served >= 16384).then_some(slots))
 }
 
-/// WAIT on the master of `slot` for every replica it has by its own count
-/// (`connected_slaves` of INFO replication: gossip may not yet know a new replica's
-/// role): true when they all acknowledged the writes this connection made to it. Each
-/// question goes with CLUSTER MYID in one pipeline, and counts only if `node` answered
-/// it: redis-rs sends a request whose node is gone to another node, whose WAIT says
-/// nothing of these writes. `None` when `node` did not answer (an error, or another node
-/// answered): the caller asks again.
+/// Whether every replica the master of `slot` has by its own count (`connected_slaves`
+/// of INFO replication: gossip may not yet know a new replica's role) holds every write
+/// the master had taken when asked (`master_repl_offset`), whichever connection made it:
+/// true once each has acknowledged that offset (the `offset` of its `slaveN` line). A
+/// WAIT for them all (at most `timeout`) comes in between, to hasten their
+/// acknowledgements; its own count is not relied on, as it counts from the offset of the
+/// connection it is sent on, which on Redis 7.4 need not cover other connections' writes.
+/// Each question goes with CLUSTER MYID in one pipeline, and counts only if `node`
+/// answered it: redis-rs sends a request whose node is gone to another node. `None` when
+/// `node` did not answer (an error, or another node answered): the caller asks again.
 async fn replicated_on(
     conn: &RedisConn,
     (slot, node): &(u16, String),
@@ -90,21 +93,48 @@ async fn replicated_on(
         let id: String = redis::from_redis_value(id).ok()?;
         (id == *node).then_some(answer)
     };
-    let info = on_node(redis::cmd("INFO").arg("replication").to_owned()).await?;
-    let text: String = redis::from_redis_value(info).ok()?;
-    let replicas: i64 = text
-        .lines()
-        .find_map(|l| l.strip_prefix("connected_slaves:"))
-        .and_then(|n| n.trim().parse().ok())?;
+    let replication = || async {
+        let info = on_node(redis::cmd("INFO").arg("replication").to_owned()).await?;
+        redis::from_redis_value::<String>(info).ok()
+    };
+    let before = replication().await?;
+    let field = |text: &str, name: &str| -> Option<i64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+            .and_then(|n| n.trim().parse().ok())
+    };
+    let replicas = field(&before, "connected_slaves")?;
     if replicas == 0 {
         return Some(true);
     }
+    let target = field(&before, "master_repl_offset")?;
     let wait = redis::cmd("WAIT")
         .arg(replicas)
         .arg(timeout.as_millis() as u64)
         .to_owned();
-    let acked: i64 = redis::from_redis_value(on_node(wait).await?).ok()?;
-    Some(acked >= replicas)
+    let _: i64 = redis::from_redis_value(on_node(wait).await?).ok()?;
+    let after = replication().await?;
+    Some(replicas_at(&after, target) >= replicas)
+}
+
+/// How many replicas in INFO replication's `slaveN:...,state=online,offset=N,...` lines
+/// have acknowledged replication offset `target`.
+fn replicas_at(info: &str, target: i64) -> i64 {
+    info.lines()
+        .filter(|l| l.starts_with("slave") && l.contains(":ip="))
+        .filter(|l| {
+            let fields = l.split_once(':').map_or("", |(_, f)| f);
+            let value = |name: &str| {
+                fields
+                    .split(',')
+                    .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+            };
+            value("state") == Some("online")
+                && value("offset")
+                    .and_then(|o| o.trim().parse::<i64>().ok())
+                    .is_some_and(|o| o >= target)
+        })
+        .count() as i64
 }
 
 /// What [`wait_replicated`] found.
@@ -114,7 +144,8 @@ pub struct Replicated {
     pub masters: usize,
     /// Masters that answered, themselves.
     pub answered: usize,
-    /// Masters all of whose replicas acknowledged this connection's writes.
+    /// Masters all of whose replicas acknowledged every write the master had taken when
+    /// asked.
     pub held: usize,
     /// The masters up cover every slot.
     pub every_slot: bool,
@@ -132,9 +163,9 @@ impl Replicated {
     }
 }
 
-/// WAIT on every master at once, each for all its replicas (at most `timeout`): the
-/// writes this connection made are then on the replicas too, so a failover after it
-/// cannot lose them. A master that does not answer, or not itself, is not counted as
+/// Asks every master at once whether all its replicas hold every write it had taken
+/// (with a WAIT of at most `timeout` to hasten them): the writes are then on the replicas
+/// too, so a failover after it cannot lose them. A master that does not answer, or not itself, is not counted as
 /// done, and neither are slots that have no master up.
 pub async fn wait_replicated(conn: &RedisConn, timeout: Duration) -> Result<Replicated> {
     let Some(masters) = a_slot_of_each_master(conn).await? else {
@@ -316,6 +347,17 @@ impl SlotCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn replicas_count_at_an_offset_only_when_online_and_there() {
+        let info = "# Replication\r\nrole:master\r\nconnected_slaves:2\r\n\
+            slave0:ip=127.0.0.1,port=7001,state=online,offset=500,lag=0\r\n\
+            slave1:ip=127.0.0.1,port=7002,state=wait_bgsave,offset=900,lag=0\r\n\
+            master_repl_offset:900\r\nslave_read_only:1\r\n";
+        assert_eq!(replicas_at(info, 500), 1);
+        assert_eq!(replicas_at(info, 501), 0);
+        assert_eq!(replicas_at(info, 0), 1);
+    }
 
     #[test]
     fn key_slots_are_those_of_redis() {
