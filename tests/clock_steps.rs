@@ -117,6 +117,25 @@ fn skew_dir() -> Option<PathBuf> {
     .clone()
 }
 
+/// `live` heartbeats a few times, and the reconciler sees it alive each time (its guard
+/// observing meanwhile).
+async fn heartbeats_seen_alive(
+    registry: &Registry,
+    conn: &conn::RedisConn,
+    reconciler: &Reconciler,
+    live: &registry_janitor::event::ServerId,
+) {
+    for _ in 0..5 {
+        registry.heartbeat(conn, live, TTL_MS).await.unwrap();
+        let verdict = reconciler.check(live).await.unwrap();
+        assert!(
+            matches!(verdict, Verdict::Alive | Verdict::TooRecent { .. }),
+            "{verdict:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
 const GRACE_MS: u64 = 4_000;
 const TTL_MS: u64 = 2_000;
 /// The step forward of the clock of the master of `servers`: past the grace and the
@@ -179,15 +198,7 @@ async fn verdict_after_a_step(first_master: bool) -> Option<Verdict> {
     let reconciler = Reconciler::new(&settings, Metrics::new()).await.unwrap();
 
     // The live server heartbeats; the reconciler sees it alive, and its guard watches.
-    for _ in 0..5 {
-        registry.heartbeat(&conn, &live, TTL_MS).await.unwrap();
-        let verdict = reconciler.check(&live).await.unwrap();
-        assert!(
-            matches!(verdict, Verdict::Alive | Verdict::TooRecent { .. }),
-            "{verdict:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    }
+    heartbeats_seen_alive(&registry, &conn, &reconciler, &live).await;
 
     // It heartbeats once more; right then the clock of the master of `servers` steps
     // forward.
@@ -246,15 +257,7 @@ async fn a_clock_step_on_one_node_declares_no_live_server_dead() {
     let registry = Registry::new(keys.clone(), registry_janitor::config::Layout::Keys);
     let reconciler = Reconciler::new(&settings, Metrics::new()).await.unwrap();
     let live = server("gw-live#1");
-    for _ in 0..5 {
-        registry.heartbeat(&conn, &live, TTL_MS).await.unwrap();
-        let verdict = reconciler.check(&live).await.unwrap();
-        assert!(
-            matches!(verdict, Verdict::Alive | Verdict::TooRecent { .. }),
-            "{verdict:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    }
+    heartbeats_seen_alive(&registry, &conn, &reconciler, &live).await;
     registry.heartbeat(&conn, &live, TTL_MS).await.unwrap();
     let pid = redis.pid().unwrap();
     let offset_file = dir.join(pid.to_string());

@@ -39,6 +39,18 @@ fn replica_of(cluster: &RedisCluster, master: usize) -> usize {
         .expect("the master has a replica")
 }
 
+/// Pauses (SIGSTOP) the replica of `master` once it has caught up; returns it.
+fn pause_its_replica(cluster: &RedisCluster, master: usize) -> usize {
+    let replica = replica_of(cluster, master);
+    cluster
+        .wait_replica_caught_up(master, 256, Duration::from_secs(30))
+        .expect("the replica catches up");
+    cluster.nodes[replica]
+        .signal("STOP")
+        .expect("pause the replica");
+    replica
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_master_killed_after_the_walk_with_its_replica_behind_loses_no_delete() {
     init_logs();
@@ -84,13 +96,7 @@ async fn a_master_killed_after_the_walk_with_its_replica_behind_loses_no_delete(
         .filter(|k| cluster.master_of(k) == Some(victim))
         .collect();
     assert!(!on_victim.is_empty());
-    let replica = replica_of(&cluster, victim);
-    cluster
-        .wait_replica_caught_up(victim, 256, Duration::from_secs(30))
-        .expect("the replica catches up");
-    cluster.nodes[replica]
-        .signal("STOP")
-        .expect("pause the replica");
+    let replica = pause_its_replica(&cluster, victim);
 
     let worker = spawn_worker(&settings);
     kill(&conn, &keys, &dead).await;
@@ -212,13 +218,7 @@ async fn a_rebuilt_cluster_connection_still_waits_for_the_replicas() {
     let victim = cluster
         .master_of(key.as_bytes())
         .expect("a master serves the key");
-    let replica = replica_of(&cluster, victim);
-    cluster
-        .wait_replica_caught_up(victim, 256, Duration::from_secs(30))
-        .expect("the replica catches up");
-    cluster.nodes[replica]
-        .signal("STOP")
-        .expect("pause the replica");
+    let replica = pause_its_replica(&cluster, victim);
 
     // A write the paused replica cannot hold, made through the connection.
     let _: () = redis::cmd("SET")
