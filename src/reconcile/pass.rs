@@ -125,8 +125,7 @@ impl Reconciler {
             // of that clock since the guard last observed it: no verdict by it.
             let bound = self.reach.time_bound_ms();
             let seen = self.lowered(&[server.as_str()]).await?;
-            if bound.is_some_and(|b| seen.now_ms > b) {
-                self.reach.verdict_past_bound(seen.now_ms);
+            if self.reach.past_bound(bound, seen.now_ms) {
                 return Ok(Verdict::Waiting {
                     remaining_ms: self.settings.heartbeat_grace_ms,
                 });

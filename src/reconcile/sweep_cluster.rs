@@ -330,12 +330,8 @@ impl Reconciler {
         let seen = self.lowered(&names).await?;
         let (now, scores) = (seen.now_ms, seen.scores);
         let fenced: Vec<bool> = conn::each_in_flight(&self.conn, fences).await?;
-        let past_bound = bound.is_some_and(|b| now > b);
-        if past_bound {
-            self.reach.verdict_past_bound(now);
-        }
         // Read after the owners: an outage meanwhile holds these verdicts too.
-        let holding = past_bound || !self.hold().await?.is_ready();
+        let holding = self.reach.past_bound(bound, now) || !self.hold().await?.is_ready();
         let silence = self.silence_proves_death().await?;
         let grace = self.settings.heartbeat_grace_ms;
         let mut removed = 0;

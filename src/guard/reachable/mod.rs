@@ -204,6 +204,16 @@ impl Reachable {
         self.tracker().redis_time_bound(self.mono_ms())
     }
 
+    /// Whether `redis_ms`, read by a verdict that was given `bound` (taken before it was
+    /// sent), is past it; if so, [`Reachable::verdict_past_bound`] is noted.
+    pub fn past_bound(&self, bound: Option<u64>, redis_ms: u64) -> bool {
+        let past = bound.is_some_and(|b| redis_ms > b);
+        if past {
+            self.verdict_past_bound(redis_ms);
+        }
+        past
+    }
+
     /// A verdict read Redis's time `redis_ms`, past the bound it was given
     /// ([`Reachable::time_bound_ms`], taken before it was sent). Verdicts on silent
     /// servers wait until the next observation starts a new stretch of reachable time, a
