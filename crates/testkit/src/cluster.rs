@@ -9,6 +9,50 @@ use std::{
 use super::RedisServer;
 use crate::error::{Error, Result};
 
+/// How long `redis-cli --cluster create` may take: it waits for the nodes to agree on the
+/// configuration, and a node that never joins (a cluster bus it cannot reach) would make it
+/// wait for ever.
+const CREATE_WITHIN: Duration = Duration::from_secs(120);
+
+/// Runs `cmd` (its standard output captured, its standard error discarded); kills it if it
+/// has not exited within `within`. Returns whether it exited with success, and its output.
+fn run_within(mut cmd: Command, within: Duration) -> Result<(bool, String)> {
+    use std::io::Read;
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| Error::io("running redis-cli --cluster create", e))?;
+    let mut stdout = child.stdout.take().expect("stdout is piped");
+    // Read on a thread of its own, so that a full pipe never blocks the child.
+    let reader = std::thread::spawn(move || {
+        let mut out = Vec::new();
+        let _ = stdout.read_to_end(&mut out);
+        String::from_utf8_lossy(&out).into_owned()
+    });
+    let deadline = Instant::now() + within;
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break Some(status),
+            Ok(None) if Instant::now() >= deadline => {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(50)),
+            Err(e) => return Err(Error::io("waiting for redis-cli --cluster create", e)),
+        }
+    };
+    let output = reader.join().unwrap_or_default();
+    match status {
+        Some(status) => Ok((status.success(), output)),
+        None => Ok((
+            false,
+            format!("did not finish within {}s: {output}", within.as_secs()),
+        )),
+    }
+}
+
 /// A local Redis Cluster of `redis-server` processes on free ports (for tests and for
 /// trying cluster mode on one machine), stopped when dropped.
 pub struct RedisCluster {
@@ -69,17 +113,16 @@ impl RedisCluster {
             .iter()
             .map(|n| format!("127.0.0.1:{}", n.port()))
             .collect();
-        let out = Command::new(super::server::cli_binary())
-            .arg("--cluster")
-            .arg("create")
-            .args(&addrs)
-            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
-            .output()
-            .map_err(|e| Error::io("running redis-cli --cluster create", e))?;
-        if !out.status.success() {
+        let mut create = Command::new(super::server::cli_binary());
+        create.arg("--cluster").arg("create").args(&addrs).args([
+            "--cluster-replicas",
+            &replicas.to_string(),
+            "--cluster-yes",
+        ]);
+        let (success, output) = run_within(create, CREATE_WITHIN)?;
+        if !success {
             return Err(Error::LocalRedis(format!(
-                "redis-cli --cluster create failed: {}",
-                String::from_utf8_lossy(&out.stdout)
+                "redis-cli --cluster create failed: {output}"
             )));
         }
         let cluster = RedisCluster { nodes };
