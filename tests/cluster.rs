@@ -1690,3 +1690,87 @@ async fn a_cluster_older_than_redis_7_stops_the_worker_at_start_up() {
         );
     }
 }
+
+/// Sets `cluster-replica-no-failover yes` on node `i` and waits until its CLUSTER NODES
+/// line shows the flag.
+fn set_nofailover(cluster: &RedisCluster, i: usize) {
+    let client = redis::Client::open(cluster.nodes[i].url()).unwrap();
+    let mut c = client.get_connection().unwrap();
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("cluster-replica-no-failover")
+        .arg("yes")
+        .query(&mut c)
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let nodes: String = redis::cmd("CLUSTER").arg("NODES").query(&mut c).unwrap();
+        let mine = nodes.lines().find(|l| l.contains("myself")).unwrap();
+        if mine.contains("master") && mine.contains("nofailover") {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the flag never showed: {mine}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn masters_flagged_nofailover_are_masters_and_clean() {
+    init_logs();
+    if !RedisCluster::supported() {
+        registry_janitor_testkit::cannot_run(
+            "this redis-server cannot run a cluster (or redis-cli is missing)",
+        );
+        return;
+    }
+    // `cluster-replica-no-failover yes` in every node's configuration, as one redis.conf
+    // for all nodes has it: CLUSTER NODES then shows `nofailover` on the masters too.
+    let cluster = tokio::task::spawn_blocking(|| {
+        let cluster = RedisCluster::start(3, 0)?;
+        // As an operator who sets it in every node's configuration.
+        for i in 0..cluster.nodes.len() {
+            set_nofailover(&cluster, i);
+        }
+        Ok::<_, registry_janitor_testkit::Error>(cluster)
+    })
+    .await
+    .unwrap()
+    .expect("start a local cluster");
+    let layout = Layout::Keys;
+    let mut settings = settings(&cluster.nodes[0], layout);
+    settings.redis_cluster = true;
+    settings.redis_cluster_seeds = cluster.seeds();
+    let conn = conn::shared_for(&conn::target_for(&settings).unwrap())
+        .await
+        .unwrap();
+    let keys = Keys::for_settings(&settings);
+    let registry = Registry::new(keys.clone(), layout);
+    let dead = server("gw-dead#1");
+    seed(&registry, &conn, &dead, 300).await;
+    let worker = spawn_worker(&settings);
+    kill(&conn, &keys, &dead).await;
+    // Generous: the cleanup of 300 users takes well under a second here.
+    wait_until(
+        &cluster.nodes[1],
+        "the event acknowledged",
+        Duration::from_secs(45),
+        || async {
+            status::collect_from(&conn, &keys)
+                .await
+                .is_ok_and(|s| s.is_idle())
+        },
+    )
+    .await;
+    assert_eq!(still_pointing(&registry, &conn, &dead, 300).await, 0);
+    worker.stop().await;
+    // What the reconciler's guard, the keys-layout sweep and the expiry hints go by.
+    let masters = conn::cluster_masters(&conn).await.unwrap();
+    assert_eq!(
+        masters.len(),
+        3,
+        "every master that serves slots: {masters:?}"
+    );
+}

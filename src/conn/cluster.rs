@@ -10,6 +10,21 @@ use crate::{
     error::{Error, Result},
 };
 
+/// Whether CLUSTER NODES flags (comma-separated) name a master that is not failed nor
+/// suspected of failing (`fail`, `fail?`). Flags are compared whole: `nofailover`, which
+/// `cluster-replica-no-failover yes` shows on masters too, is not a failure.
+fn serving_master(flags: &str) -> bool {
+    let mut master = false;
+    for flag in flags.split(',') {
+        match flag {
+            "master" => master = true,
+            "fail" | "fail?" => return false,
+            _ => {}
+        }
+    }
+    master
+}
+
 /// The masters of the cluster now, as (host, port), from CLUSTER NODES: nodes flagged
 /// master, not failed, that serve slots.
 pub async fn cluster_masters(conn: &RedisConn) -> Result<Vec<(String, u16)>> {
@@ -21,8 +36,7 @@ pub async fn cluster_masters(conn: &RedisConn) -> Result<Vec<(String, u16)>> {
         .lines()
         .filter_map(|line| {
             let fields: Vec<&str> = line.split(' ').collect();
-            let flags = fields.get(2)?;
-            if !flags.contains("master") || flags.contains("fail") || fields.len() <= 8 {
+            if fields.len() <= 8 || !serving_master(fields.get(2)?) {
                 return None;
             }
             let addr = fields.get(1)?.split(['@', ',']).next()?;
@@ -48,7 +62,7 @@ async fn a_slot_of_each_master(conn: &RedisConn) -> Result<Option<Vec<(u16, Stri
     let mut slots = Vec::new();
     for line in text.lines() {
         let fields: Vec<&str> = line.split(' ').collect();
-        if fields.len() <= 8 || !fields[2].contains("master") || fields[2].contains("fail") {
+        if fields.len() <= 8 || !serving_master(fields[2]) {
             continue;
         }
         let ranges: Vec<(u16, u16)> = fields[8..]
@@ -347,6 +361,18 @@ impl SlotCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn master_flags_are_compared_whole() {
+        assert!(serving_master("master"));
+        assert!(serving_master("myself,master"));
+        assert!(serving_master("master,nofailover"));
+        assert!(serving_master("myself,master,nofailover"));
+        assert!(!serving_master("master,fail"));
+        assert!(!serving_master("master,fail?"));
+        assert!(!serving_master("myself,slave"));
+        assert!(!serving_master("slave,nofailover"));
+    }
 
     #[test]
     fn replicas_count_at_an_offset_only_when_online_and_there() {

@@ -152,8 +152,9 @@ impl RedisCluster {
                 let failed_with_slots = nodes.is_none_or(|text| {
                     text.lines().any(|l| {
                         let fields: Vec<&str> = l.split(' ').collect();
-                        fields.get(2).is_some_and(|flags| flags.contains("fail"))
-                            && fields.len() > 8
+                        fields.get(2).is_some_and(|flags| {
+                            flags.split(',').any(|f| f == "fail" || f == "fail?")
+                        }) && fields.len() > 8
                     })
                 });
                 let replication = n.query_text(redis::cmd("INFO").arg("replication"));
