@@ -105,8 +105,12 @@ impl Reconciler {
         hold: Hold,
     ) -> Result<Verdict> {
         let mut c = self.conn.clone();
+        // Taken before the first read: Redis's time past it, or the whole verdict taking
+        // longer than its slack (a stall of any master meanwhile), holds the verdict.
+        let (started, bound) = (std::time::Instant::now(), self.reach.time_bound_ms());
         // A fenced server is dead whatever its heartbeat says (the script checks again).
-        if !crate::fence::is_fenced(&self.conn, &self.keys, server).await? {
+        let fenced = crate::fence::is_fenced(&self.conn, &self.keys, server).await?;
+        if !fenced {
             if !hold.is_ready() {
                 let alive: bool = redis::cmd("EXISTS")
                     .arg(self.keys.server_alive(server))
@@ -122,8 +126,7 @@ impl Reconciler {
             }
             // The score and Redis's time, in the slot of `servers` (a score in the future
             // lowered first: see `crate::clock`). A time past the guard's bound is a step
-            // of that clock since the guard last observed it: no verdict by it.
-            let bound = self.reach.time_bound_ms();
+            // of that clock since the guard last observed it, or a stall: no verdict by it.
             let seen = self.lowered(&[server.as_str()]).await?;
             if self.reach.past_bound(bound, seen.now_ms) {
                 return Ok(Verdict::Waiting {
@@ -156,6 +159,16 @@ impl Reconciler {
             FoundOnCluster::AlreadyReported => Ok(Verdict::AlreadyReported),
             FoundOnCluster::FencedClean => Ok(Verdict::FencedClean),
             FoundOnCluster::Dead => {
+                // The liveness key was read by the script, after the other steps: a stall
+                // of the master of `{S}` before it (its heartbeats blocked, its key expired
+                // meanwhile) shows as a verdict longer than its slack. Published later,
+                // once Redis has been reachable for a full grace again (the marker delays
+                // it by one marker TTL at most).
+                if !fenced && self.reach.took_too_long(started.elapsed()) {
+                    return Ok(Verdict::Waiting {
+                        remaining_ms: self.settings.heartbeat_grace_ms,
+                    });
+                }
                 let id =
                     crate::stream::publish_event(&self.conn, &self.keys, &event.encode()).await?;
                 self.metrics.reconcile_dead_found.inc();

@@ -214,6 +214,37 @@ impl Reachable {
         past
     }
 
+    /// Whether a verdict taken in several round trips, perhaps on several masters of a
+    /// cluster, took longer than the slack of [`Reachable::time_bound_ms`] from the moment
+    /// its bound was taken to its last reply (`took`); if so, the verdict is noted as past
+    /// its bound (cause `failed_calls`: Redis took too long). A verdict that reads TIME in
+    /// one script learns a stall from Redis's own clock; one made of steps on several
+    /// nodes cannot compare their clocks, so it times itself on the monotonic clock: a
+    /// master that stalled during any step (so that a live server's liveness key expired
+    /// meanwhile, its heartbeats blocked) makes it longer than that.
+    pub fn took_too_long(&self, took: Duration) -> bool {
+        let slack = self.tracker().bound_slack_ms();
+        let late = took.as_millis() as u64 > slack;
+        if late {
+            let first = self.tracker().failed();
+            self.metrics
+                .reconcile_outages
+                .with_label_values(&[Cause::FailedCalls.label()])
+                .inc();
+            self.metrics.reconcile_reachable_seconds.set(0.0);
+            if first {
+                warn!(
+                    cause = Cause::FailedCalls.label(),
+                    took_ms = took.as_millis() as u64,
+                    slack_ms = slack,
+                    grace_ms = self.grace_ms,
+                    "Redis outage (seen by a verdict: Redis took too long to answer it): verdicts on silent servers wait until Redis has been reachable for a full grace"
+                );
+            }
+        }
+        late
+    }
+
     /// A verdict read Redis's time `redis_ms`, past the bound it was given
     /// ([`Reachable::time_bound_ms`], taken before it was sent). Verdicts on silent
     /// servers wait until the next observation starts a new stretch of reachable time, a

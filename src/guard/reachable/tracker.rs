@@ -262,8 +262,12 @@ impl Tracker {
     /// before any observation.
     pub fn redis_time_bound(&self, mono_now_ms: u64) -> Option<u64> {
         let l = self.last.as_ref()?;
-        let slack = self.tolerance_ms.max(BOUND_SLACK_FLOOR_MS);
-        Some(l.redis_ms + mono_now_ms.saturating_sub(l.sent_mono_ms) + slack)
+        Some(l.redis_ms + mono_now_ms.saturating_sub(l.sent_mono_ms) + self.bound_slack_ms())
+    }
+
+    /// The slack of [`Tracker::redis_time_bound`]: the tolerance, at least 250 ms.
+    pub fn bound_slack_ms(&self) -> u64 {
+        self.tolerance_ms.max(BOUND_SLACK_FLOOR_MS)
     }
 
     /// May verdicts on silent servers be taken at monotonic time `mono_now_ms`?
