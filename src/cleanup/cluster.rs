@@ -119,10 +119,10 @@ impl redis::FromRedisValue for Advance {
 const REPLICATION_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// How long the end of a walk waits in all for replicas that lag while every master
-/// answers. A replica that stops answering is dropped by its master after `repl-timeout`
-/// (60 s by default) and is then no longer waited for, so this bounds only a replica that
-/// stays connected and stays behind. No bound applies while a master does not answer: its
-/// replica may take over without the deletes, and the epoch then shows it.
+/// answers: a replica that stays behind, or stops answering and is not yet flagged
+/// `fail` by the masters (after `cluster-node-timeout` it no longer counts). No bound
+/// applies while a master does not answer: its replica may take over without the
+/// deletes, and the epoch then shows it.
 const REPLICATION_PATIENCE: std::time::Duration = std::time::Duration::from_secs(60);
 
 impl Cleaner {

@@ -48,18 +48,43 @@ pub async fn cluster_masters(conn: &RedisConn) -> Result<Vec<(String, u16)>> {
     Ok(masters)
 }
 
-/// Each master's node id and one of its slots, from CLUSTER NODES: `None` while the
-/// masters neither failed nor unlinked do not cover all 16384 slots (a master is down and
-/// its replica not yet promoted). A command routed to such a slot reaches the master
-/// (redis-rs follows MOVED and learns a new topology), over the connection the cleanup
-/// wrote through.
-async fn a_slot_of_each_master(conn: &RedisConn) -> Result<Option<Vec<(u16, String)>>> {
-    let text: String = redis::cmd("CLUSTER")
-        .arg("NODES")
-        .query_async(&mut conn.clone())
-        .await?;
+/// Whether CLUSTER NODES flags name a replica the cluster counts as up: a failover may
+/// promote it. `fail?` (suspected by one node) still counts; `fail` (agreed by the
+/// masters) does not.
+fn replica_up(flags: &str) -> bool {
+    let mut replica = false;
+    for flag in flags.split(',') {
+        match flag {
+            "slave" | "replica" => replica = true,
+            "fail" | "handshake" | "noaddr" => return false,
+            _ => {}
+        }
+    }
+    replica
+}
+
+/// A master as CLUSTER NODES shows it: one of its slots, its node id, and how many
+/// replicas the cluster counts as up for it ([`replica_up`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct MasterSeen {
+    slot: u16,
+    id: String,
+    replicas: i64,
+}
+
+/// Each master from a CLUSTER NODES reply: `None` while the masters neither failed nor
+/// unlinked do not cover all 16384 slots (a master is down and its replica not yet
+/// promoted).
+fn masters_seen(text: &str) -> Option<Vec<MasterSeen>> {
+    let mut replicas: std::collections::HashMap<&str, i64> = Default::default();
+    for line in text.lines() {
+        let fields: Vec<&str> = line.split(' ').collect();
+        if fields.len() >= 4 && replica_up(fields[2]) {
+            *replicas.entry(fields[3]).or_default() += 1;
+        }
+    }
     let mut served = 0usize;
-    let mut slots = Vec::new();
+    let mut masters = Vec::new();
     for line in text.lines() {
         let fields: Vec<&str> = line.split(' ').collect();
         if fields.len() <= 8 || !serving_master(fields[2]) {
@@ -78,38 +103,59 @@ async fn a_slot_of_each_master(conn: &RedisConn) -> Result<Option<Vec<(u16, Stri
             .map(|(first, last)| usize::from(*last) + 1 - usize::from(*first))
             .sum::<usize>();
         if let Some((first, _)) = ranges.first() {
-            slots.push((*first, fields[0].to_owned()));
+            masters.push(MasterSeen {
+                slot: *first,
+                id: fields[0].to_owned(),
+                replicas: replicas.get(fields[0]).copied().unwrap_or(0),
+            });
         }
     }
-    Ok((served >= 16384).then_some(slots))
+    (served >= 16384).then_some(masters)
 }
 
-/// Whether every replica the master of `slot` has by its own count (`connected_slaves`
-/// of INFO replication: gossip may not yet know a new replica's role) holds every write
-/// the master had taken when asked (`master_repl_offset`), whichever connection made it:
-/// true once each has acknowledged that offset (the `offset` of its `slaveN` line). A
-/// WAIT for them all (at most `timeout`) comes in between, to hasten their
-/// acknowledgements; its own count is not relied on, as it counts from the offset of the
-/// connection it is sent on, which on Redis 7.4 need not cover other connections' writes.
-/// Each question goes with CLUSTER MYID in one pipeline, and counts only if `node`
-/// answered it: redis-rs sends a request whose node is gone to another node. `None` when
-/// `node` did not answer (an error, or another node answered): the caller asks again.
-async fn replicated_on(
-    conn: &RedisConn,
-    (slot, node): &(u16, String),
-    timeout: Duration,
-) -> Option<bool> {
+/// [`masters_seen`] of the cluster now. A command routed to a master's slot reaches the
+/// master (redis-rs follows MOVED and learns a new topology), over the connection the
+/// cleanup wrote through.
+async fn a_slot_of_each_master(conn: &RedisConn) -> Result<Option<Vec<MasterSeen>>> {
+    let text: String = redis::cmd("CLUSTER")
+        .arg("NODES")
+        .query_async(&mut conn.clone())
+        .await?;
+    Ok(masters_seen(&text))
+}
+
+/// Whether every replica of `master` holds every write the master had taken when asked
+/// (`master_repl_offset`), whichever connection made it: true once each has acknowledged
+/// that offset (the `offset` of its `slaveN` line). The replicas waited for are as many
+/// as the master counts (`connected_slaves`: gossip may not yet know a new replica's
+/// role) or the cluster counts as up for it ([`replica_up`]), whichever is more: a
+/// replica whose link the master dropped (its `repl-timeout` passed) is not in the
+/// master's count, and a failover may still promote it. A WAIT for them (at most
+/// `timeout`) comes in between, to hasten their acknowledgements; its own count is not
+/// relied on, as it counts from the offset of the connection it is sent on, which on
+/// Redis 7.4 need not cover other connections' writes. Each question goes with CLUSTER
+/// MYID in one pipeline, and counts only if the master answered it, as a master
+/// (`role:master`): redis-rs sends a request whose node is gone to another node, and a
+/// demoted master has no replicas of its own. `None` when it did not: the caller asks
+/// again.
+async fn replicated_on(conn: &RedisConn, master: &MasterSeen, timeout: Duration) -> Option<bool> {
     let on_node = |question: redis::Cmd| async move {
         let mut pipe = redis::pipe();
         pipe.cmd("CLUSTER").arg("MYID").add_command(question);
-        let replies = conn.pipeline_on_master_of(*slot, pipe, 2).await.ok()?;
+        let replies = conn
+            .pipeline_on_master_of(master.slot, pipe, 2)
+            .await
+            .ok()?;
         let [id, answer]: [redis::Value; 2] = replies.try_into().ok()?;
         let id: String = redis::from_redis_value(id).ok()?;
-        (id == *node).then_some(answer)
+        (id == master.id).then_some(answer)
     };
     let replication = || async {
         let info = on_node(redis::cmd("INFO").arg("replication").to_owned()).await?;
-        redis::from_redis_value::<String>(info).ok()
+        let text = redis::from_redis_value::<String>(info).ok()?;
+        text.lines()
+            .any(|l| l.trim_end() == "role:master")
+            .then_some(text)
     };
     let before = replication().await?;
     let field = |text: &str, name: &str| -> Option<i64> {
@@ -117,7 +163,7 @@ async fn replicated_on(
             .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
             .and_then(|n| n.trim().parse().ok())
     };
-    let replicas = field(&before, "connected_slaves")?;
+    let replicas = field(&before, "connected_slaves")?.max(master.replicas);
     if replicas == 0 {
         return Some(true);
     }
@@ -372,6 +418,31 @@ mod tests {
         assert!(!serving_master("master,fail?"));
         assert!(!serving_master("myself,slave"));
         assert!(!serving_master("slave,nofailover"));
+    }
+
+    #[test]
+    fn masters_are_seen_with_the_replicas_the_cluster_counts_up() {
+        let nodes = "\
+a1 127.0.0.1:7000@17000 myself,master - 0 0 1 connected 0-5460
+a2 127.0.0.1:7001@17001 master - 0 0 2 connected 5461-10922
+a3 127.0.0.1:7002@17002 master,nofailover - 0 0 3 connected 10923-16383
+r1 127.0.0.1:7003@17003 slave a1 0 0 1 connected
+r2 127.0.0.1:7004@17004 slave,fail? a1 0 0 1 connected
+r3 127.0.0.1:7005@17005 slave,fail a2 0 0 2 disconnected
+r4 127.0.0.1:7006@17006 slave,nofailover a3 0 0 3 connected
+";
+        let seen = masters_seen(nodes).expect("every slot served");
+        let replicas: Vec<(&str, u16, i64)> = seen
+            .iter()
+            .map(|m| (m.id.as_str(), m.slot, m.replicas))
+            .collect();
+        assert_eq!(
+            replicas,
+            [("a1", 0, 2), ("a2", 5461, 0), ("a3", 10923, 1)],
+            "a replica suspected by one node still counts; one the masters agree failed does not"
+        );
+        let short = nodes.replace("10923-16383", "10923-16382");
+        assert_eq!(masters_seen(&short), None, "a slot without a master");
     }
 
     #[test]

@@ -226,6 +226,44 @@ impl RedisCluster {
         }
     }
 
+    /// Waits until every running node's CLUSTER NODES lists node `replica` as a replica
+    /// of node `master`: gossip has spread its role (right after the cluster is made,
+    /// some nodes may still show it as a master without slots).
+    pub fn wait_replica_known(
+        &self,
+        replica: usize,
+        master: usize,
+        timeout: Duration,
+    ) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let ids = self.node_id(replica).zip(self.node_id(master));
+            let known = ids.as_ref().is_some_and(|(replica_id, master_id)| {
+                self.nodes.iter().filter(|n| n.child.is_some()).all(|n| {
+                    n.query_text(redis::cmd("CLUSTER").arg("NODES"))
+                        .unwrap_or_default()
+                        .lines()
+                        .any(|line| {
+                            let fields: Vec<&str> = line.split(' ').collect();
+                            fields.len() > 3
+                                && fields[0] == replica_id
+                                && fields[2].split(',').any(|f| f == "slave" || f == "replica")
+                                && fields[3] == master_id
+                        })
+                })
+            });
+            if known {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(Error::LocalRedis(format!(
+                    "not every node knows node {replica} as a replica of node {master} in time"
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// The node id of node `i` (CLUSTER MYID), if it answers.
     pub fn node_id(&self, i: usize) -> Option<String> {
         self.nodes[i].query_text(redis::cmd("CLUSTER").arg("MYID"))
