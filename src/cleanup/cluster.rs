@@ -135,7 +135,7 @@ impl Cleaner {
     /// The cursor moves only after the chunk's deletes, so a crash repeats a chunk and
     /// never skips one. Replication is asynchronous, so a failover can lose deletes the
     /// old master acknowledged, and redis-rs rides out a failover without an error ever
-    /// reaching this code: the cluster's `current_epoch` at the start of each walk is
+    /// reaching this code: the cluster's epoch (the greatest config epoch) at the start of each walk is
     /// stored with the cursor, and a walk at whose end the epoch differs (every failover
     /// bumps it), or during which this worker saw errors, is made again (up to 3 times),
     /// by whichever worker holds the cleanup by then.
@@ -258,9 +258,7 @@ impl Cleaner {
         })
         .await?;
         if chunk.next == Next::End {
-            *epoch = self
-                .wait_for_replicas(conn, server, *epoch, errors, stop)
-                .await?;
+            *epoch = self.wait_for_replicas(conn, server, *epoch, stop).await?;
         }
         let saw_errors = errors.get() > 0;
         let advanced = retrying_counted("cleanup advance", stop, Some(errors), || {
@@ -300,7 +298,6 @@ impl Cleaner {
         conn: &RedisConn,
         server: &ServerId,
         walk_epoch: u64,
-        errors: &prometheus::IntCounter,
         stop: &CancellationToken,
     ) -> Result<u64> {
         // Since when only replicas lag (every master answering): the patience runs only
@@ -309,13 +306,13 @@ impl Cleaner {
         let mut lagging_since: Option<std::time::Instant> = None;
         let mut waited = false;
         loop {
+            // The epoch and the masters asked come from one node's view of the cluster: a
+            // failover that made a replica without the deletes a master shows in both.
             let found = retrying_counted("waiting for the replicas", stop, None, || {
                 crate::conn::wait_replicated(conn, REPLICATION_WAIT)
             })
             .await?;
-            let epoch =
-                retrying_counted("cluster epoch", stop, Some(errors), || cluster_epoch(conn))
-                    .await?;
+            let epoch = found.epoch;
             if found.all_held() || epoch != walk_epoch {
                 if waited {
                     tracing::info!(server_id = %server, "the replicas hold the walk's deletes (or the cluster failed over): the cleanup goes on");

@@ -15,7 +15,7 @@
 -- KEYS[4] server:{S}:moved (members the reverse-index sweep set aside meanwhile: walked
 -- next, as a grown `users` set is)
 -- ARGV[1] walk number  ARGV[2] cursor the chunk was scanned at  ARGV[3] next cursor
--- ARGV[4] members scanned  ARGV[5] the cluster's current_epoch now
+-- ARGV[4] members scanned  ARGV[5] the cluster's epoch now (greatest config epoch)
 -- ARGV[6] '1' if the worker saw errors
 -- ARGV[7], ARGV[8] the entries the chunk deleted and kept, added to the cleanup's totals
 -- (`evicted`, `kept` in the progress hash) whatever the answer: a chunk raced by a

@@ -8,7 +8,7 @@
 -- The walk's bookkeeping lives in the progress hash, not in a worker's memory, so that it
 -- survives a takeover: `walk` numbers the walks (a new set, a walk again, a restart after
 -- a failover each take a new number, so that an advance from an earlier walk, which may
--- carry the same cursor, is refused), `epoch` is the cluster's current_epoch when the
+-- carry the same cursor, is refused), `epoch` is the cluster's epoch (greatest config epoch) when the
 -- walk started (a failover since then may have lost acknowledged deletes:
 -- cluster_advance.lua then walks the set again), `rewalks` how often this set has been
 -- walked again.
@@ -36,7 +36,7 @@
 --
 -- KEYS[1] server:{S}:users  KEYS[2] server:{S}:walking  KEYS[3] server:{S}:cleanup
 -- KEYS[4] server:{S}:moved
--- ARGV[1] SSCAN COUNT  ARGV[2] the cluster's current_epoch as the worker last read it
+-- ARGV[1] SSCAN COUNT  ARGV[2] the cluster's epoch as the worker last read it
 -- ARGV[3] the worker's format  ARGV[4] the oldest format it works under
 -- ARGV[5] the format in use, as the worker read it before this chunk
 -- Returns {walk number, cursor used, next cursor, members};

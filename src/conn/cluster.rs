@@ -113,15 +113,26 @@ fn masters_seen(text: &str) -> Option<Vec<MasterSeen>> {
     (served >= 16384).then_some(masters)
 }
 
-/// [`masters_seen`] of the cluster now. A command routed to a master's slot reaches the
-/// master (redis-rs follows MOVED and learns a new topology), over the connection the
-/// cleanup wrote through.
-async fn a_slot_of_each_master(conn: &RedisConn) -> Result<Option<Vec<MasterSeen>>> {
+/// [`masters_seen`] of the cluster now, with [`max_config_epoch`] of the same reply: the
+/// two are one node's view, so a failover that shows in the masters shows in the epoch.
+/// A command routed to a master's slot reaches the master (redis-rs follows MOVED and
+/// learns a new topology), over the connection the cleanup wrote through.
+async fn a_slot_of_each_master(conn: &RedisConn) -> Result<(Option<Vec<MasterSeen>>, u64)> {
     let text: String = redis::cmd("CLUSTER")
         .arg("NODES")
         .query_async(&mut conn.clone())
         .await?;
-    Ok(masters_seen(&text))
+    Ok((masters_seen(&text), max_config_epoch(&text)?))
+}
+
+/// The greatest config epoch in a CLUSTER NODES reply. Every failover (elected, or
+/// `CLUSTER FAILOVER` of any kind) gives the promoted replica a config epoch greater than
+/// any other node's, so it grows with every failover.
+fn max_config_epoch(text: &str) -> Result<u64> {
+    text.lines()
+        .filter_map(|line| line.split(' ').nth(6)?.parse::<u64>().ok())
+        .max()
+        .ok_or_else(|| Error::Protocol("CLUSTER NODES without a config epoch".into()))
 }
 
 /// Whether every replica of `master` holds every write the master had taken when asked
@@ -209,6 +220,8 @@ pub struct Replicated {
     pub held: usize,
     /// The masters up cover every slot.
     pub every_slot: bool,
+    /// [`cluster_epoch`], from the same view of the cluster as the masters asked.
+    pub epoch: u64,
 }
 
 impl Replicated {
@@ -228,12 +241,14 @@ impl Replicated {
 /// too, so a failover after it cannot lose them. A master that does not answer, or not itself, is not counted as
 /// done, and neither are slots that have no master up.
 pub async fn wait_replicated(conn: &RedisConn, timeout: Duration) -> Result<Replicated> {
-    let Some(masters) = a_slot_of_each_master(conn).await? else {
+    let (masters, epoch) = a_slot_of_each_master(conn).await?;
+    let Some(masters) = masters else {
         return Ok(Replicated {
             masters: 0,
             answered: 0,
             held: 0,
             every_slot: false,
+            epoch,
         });
     };
     let waits = masters
@@ -245,6 +260,7 @@ pub async fn wait_replicated(conn: &RedisConn, timeout: Duration) -> Result<Repl
         answered: answers.iter().flatten().count(),
         held: answers.iter().filter(|a| **a == Some(true)).count(),
         every_slot: true,
+        epoch,
     })
 }
 
@@ -271,16 +287,14 @@ pub fn node_client(settings: &Settings, host: &str, port: u16) -> Result<redis::
     client_with(info.set_addr(addr), tls_certificates(settings)?)
 }
 
-/// The cluster's `current_epoch` (CLUSTER INFO): it grows with every failover.
+/// The cluster's epoch as one node sees it: the greatest config epoch of CLUSTER NODES
+/// ([`max_config_epoch`]). It grows with every failover.
 pub async fn cluster_epoch(conn: &RedisConn) -> Result<u64> {
-    let info: String = redis::cmd("CLUSTER")
-        .arg("INFO")
+    let text: String = redis::cmd("CLUSTER")
+        .arg("NODES")
         .query_async(&mut conn.clone())
         .await?;
-    info.lines()
-        .find_map(|l| l.strip_prefix("cluster_current_epoch:"))
-        .and_then(|v| v.trim().parse().ok())
-        .ok_or_else(|| Error::Protocol("CLUSTER INFO without cluster_current_epoch".into()))
+    max_config_epoch(&text)
 }
 
 /// Number of hash slots of a Redis Cluster.
@@ -441,6 +455,10 @@ r4 127.0.0.1:7006@17006 slave,nofailover a3 0 0 3 connected
             [("a1", 0, 2), ("a2", 5461, 0), ("a3", 10923, 1)],
             "a replica suspected by one node still counts; one the masters agree failed does not"
         );
+        assert_eq!(max_config_epoch(nodes).unwrap(), 3);
+        let promoted = nodes.replace("slave,fail? a1 0 0 1", "master - 0 0 7");
+        assert_eq!(max_config_epoch(&promoted).unwrap(), 7);
+        assert!(max_config_epoch("").is_err());
         let short = nodes.replace("10923-16383", "10923-16382");
         assert_eq!(masters_seen(&short), None, "a slot without a master");
     }
