@@ -287,8 +287,8 @@ pub fn node_client(settings: &Settings, host: &str, port: u16) -> Result<redis::
     client_with(info.set_addr(addr), tls_certificates(settings)?)
 }
 
-/// The cluster's epoch as one node sees it: the greatest config epoch of CLUSTER NODES
-/// ([`max_config_epoch`]). It grows with every failover.
+/// The cluster's epoch as one node sees it: the greatest config epoch in its CLUSTER
+/// NODES. It grows with every failover.
 pub async fn cluster_epoch(conn: &RedisConn) -> Result<u64> {
     let text: String = redis::cmd("CLUSTER")
         .arg("NODES")

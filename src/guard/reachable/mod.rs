@@ -24,7 +24,11 @@
 //!   or not serving (refused, reset, timed out, LOADING, BUSY, MASTERDOWN, TRYAGAIN,
 //!   CLUSTERDOWN, READONLY, OOM...: the transient errors of [`crate::error`], less those
 //!   that only mean "ask elsewhere or again": MOVED, ASK, NOSCRIPT, UNBLOCKED), or an
-//!   observation takes longer than [`Reachable::step`] to answer. The first successful
+//!   observation takes longer than [`Reachable::step`] to answer. On a cluster, each
+//!   observation also runs a write probe on every master (`write_probe.lua`), which a
+//!   master refuses (OOM, MISCONF, NOREPLICAS) or holds (CLIENT PAUSE WRITE) whenever it
+//!   would refuse or hold a heartbeat: such a master still answers reads, while the
+//!   servers whose `{S}` slot it serves cannot heartbeat. The first successful
 //!   observation after that starts the new stretch;
 //! - **restart**: the run_ids of Redis (every master of a cluster; behind Sentinel, the
 //!   primary) differ from those recorded in `janitor:{guard}:reachable` or seen last by
@@ -105,6 +109,8 @@ pub struct Reachable {
     nodes: Mutex<HashMap<(String, u16), RedisConn>>,
     /// INFO was refused once (logged once): run_ids are unknown.
     info_refused: AtomicBool,
+    /// The write probe was refused once (logged once).
+    probe_refused: AtomicBool,
     /// `janitor:{guard}:reachable` was refused once (logged once): the record is this process's.
     record_refused: AtomicBool,
     /// The outage in progress (failed calls): when it began, on the monotonic clock (it
@@ -129,6 +135,7 @@ impl Reachable {
             observing: tokio::sync::Mutex::new(()),
             nodes: Mutex::default(),
             info_refused: AtomicBool::new(false),
+            probe_refused: AtomicBool::new(false),
             record_refused: AtomicBool::new(false),
             outage: Mutex::new(None),
         }

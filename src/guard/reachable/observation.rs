@@ -19,6 +19,11 @@ use crate::{
 static STORE: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(include_str!("../guard_record.lua")));
 
+/// A script Redis refuses or holds whenever it refuses or holds a heartbeat (see the
+/// script).
+static WRITE_PROBE: LazyLock<redis::Script> =
+    LazyLock::new(|| redis::Script::new(include_str!("../write_probe.lua")));
+
 /// What `janitor:{guard}:reachable` says now, for `status`: the start of the current stretch of
 /// reachable time (Redis time, unix ms; 0 for no outage known), or `None` when no
 /// reconciler has written it (or it may not be read).
@@ -92,6 +97,9 @@ impl Reachable {
         let (mut uptime_ms, mut loaded_from_disk) = (None::<u64>, false);
         let mut info_known = true;
         for node in &nodes {
+            if conn.is_cluster() {
+                self.probe_writes(node).await?;
+            }
             match self.info(node).await? {
                 Some(info) => {
                     match info.run_id {
@@ -128,6 +136,29 @@ impl Reachable {
         let c = conn::shared(&conn::node_client(&self.settings, host, port)?)?;
         nodes.insert((host.to_owned(), port), c.clone());
         Ok(c)
+    }
+
+    /// Whether a master of the cluster would take a heartbeat now ([`WRITE_PROBE`]): an
+    /// error if it refuses writes (the observation fails: an outage), a slow answer if it
+    /// holds them. One master that cannot take heartbeats silences the servers whose
+    /// `{S}` slot it serves, while the others answer the verdicts' reads. A refusal that
+    /// says nothing of Redis's state (the script may not be run: an ACL) is logged once
+    /// and passed over.
+    pub(super) async fn probe_writes(&self, node: &RedisConn) -> Result<()> {
+        match WRITE_PROBE
+            .prepare_invoke()
+            .invoke_async::<i64>(&mut node.clone())
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(e) if crate::error::redis_error_is_retryable(&e) => Err(e.into()),
+            Err(e) => {
+                if !self.probe_refused.swap(true, Ordering::Relaxed) {
+                    warn!(error = %e, "the guard's write probe is refused: a master that refuses or holds writes (and heartbeats) while it answers reads is not seen as an outage");
+                }
+                Ok(())
+            }
+        }
     }
 
     /// INFO server and persistence of one node; `None` where INFO is refused (logged
