@@ -29,14 +29,24 @@ const GRACE_MS: u64 = 2_000;
 const TTL_MS: u64 = 1_000;
 const STALL_MS: u64 = 3_000;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stall_of_the_master_of_the_server_during_a_verdict_declares_no_live_server_dead() {
+/// A local cluster of 3 masters under a grace of [`GRACE_MS`], a connection, the key
+/// names, the registry and a reconciler.
+struct Setup {
+    cluster: RedisCluster,
+    conn: conn::RedisConn,
+    keys: Keys,
+    registry: Registry,
+    reconciler: std::sync::Arc<Reconciler>,
+}
+
+/// [`Setup`], or `None` (said) where this redis-server cannot run a cluster.
+async fn setup() -> Option<Setup> {
     init_logs();
     if !RedisCluster::supported() {
         cannot_run("this redis-server cannot run a cluster (or redis-cli is missing)");
-        return;
+        return None;
     }
-    // A node timeout far longer than the stall: no node is flagged failing.
+    // A node timeout far longer than any stall here: no node is flagged failing.
     let cluster = tokio::task::spawn_blocking(|| {
         RedisCluster::start_with(3, 0, || {
             vec!["--cluster-node-timeout".to_owned(), "60000".to_owned()]
@@ -54,7 +64,28 @@ async fn a_stall_of_the_master_of_the_server_during_a_verdict_declares_no_live_s
         .unwrap();
     let keys = Keys::for_settings(&settings);
     let registry = Registry::new(keys.clone(), Layout::Keys);
-    let reconciler = Reconciler::new(&settings, Metrics::new()).await.unwrap();
+    let reconciler = std::sync::Arc::new(Reconciler::new(&settings, Metrics::new()).await.unwrap());
+    Some(Setup {
+        cluster,
+        conn,
+        keys,
+        registry,
+        reconciler,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stall_of_the_master_of_the_server_during_a_verdict_declares_no_live_server_dead() {
+    let Some(Setup {
+        cluster,
+        conn,
+        keys,
+        registry,
+        reconciler,
+    }) = setup().await
+    else {
+        return;
+    };
 
     // A server whose own slot is on another master than `servers`.
     let on_servers = cluster.master_of(keys.servers().as_bytes()).unwrap();
@@ -152,25 +183,16 @@ async fn a_stall_of_the_master_of_the_server_during_a_verdict_declares_no_live_s
 /// once writes are taken again, the server heartbeats on and keeps every entry.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_master_refusing_writes_longer_than_the_grace_loses_no_live_entry() {
-    init_logs();
-    if !RedisCluster::supported() {
-        cannot_run("this redis-server cannot run a cluster (or redis-cli is missing)");
+    let Some(Setup {
+        cluster,
+        conn,
+        keys,
+        registry,
+        reconciler,
+    }) = setup().await
+    else {
         return;
-    }
-    let cluster = tokio::task::spawn_blocking(|| RedisCluster::start(3, 0))
-        .await
-        .unwrap()
-        .expect("start a local cluster");
-    let mut settings = settings(&cluster.nodes[0], Layout::Keys);
-    settings.redis_cluster = true;
-    settings.redis_cluster_seeds = cluster.seeds();
-    settings.heartbeat_grace_ms = GRACE_MS;
-    let conn = conn::shared_for(&conn::target_for(&settings).unwrap())
-        .await
-        .unwrap();
-    let keys = Keys::for_settings(&settings);
-    let registry = Registry::new(keys.clone(), Layout::Keys);
-    let reconciler = std::sync::Arc::new(Reconciler::new(&settings, Metrics::new()).await.unwrap());
+    };
 
     // A live server whose own slot is on another master than `servers` and the
     // evictions stream, with entries only on the other masters: the sweep meets no

@@ -162,9 +162,14 @@ impl Reconciler {
                 // The liveness key was read by the script, after the other steps: a stall
                 // of the master of `{S}` before it (its heartbeats blocked, its key expired
                 // meanwhile) shows as a verdict longer than its slack. Published later,
-                // once Redis has been reachable for a full grace again (the marker delays
-                // it by one marker TTL at most).
+                // once Redis has been reachable for a full grace again: the marker this
+                // verdict set goes (best effort; left, it delays the report by one marker
+                // TTL at most).
                 if !fenced && self.reach.took_too_long(started.elapsed()) {
+                    let _: redis::RedisResult<()> = redis::cmd("DEL")
+                        .arg(self.keys.server_reported(server))
+                        .query_async(&mut c)
+                        .await;
                     return Ok(Verdict::Waiting {
                         remaining_ms: self.settings.heartbeat_grace_ms,
                     });

@@ -68,7 +68,14 @@ class Failover(unittest.TestCase):
             harness.wait_for(lambda: len(registered) > count + 50, 60, "registrations on the new primary", every=0.1)
             harness.wait_for(lambda: SET.node(before).admin().info("replication").get("master_link_status") == "up",
                              60, "the demoted primary replicating")
-            self.assertEqual(on_primary(SET.primary_port()), [], "acknowledged registrations lost by SENTINEL FAILOVER")
+            # Sentinel promotes the replica without waiting for it to catch up: what the old
+            # primary acknowledged in the last moment before the replica's link dropped
+            # (then min-replicas-to-write 1 makes it refuse writes) is lost with it, a
+            # registration every 5 ms here. Without min-replicas-to-write, the old primary
+            # takes writes until Sentinel demotes it, ten seconds later: about 1,700 lost.
+            lost_in_switch = on_primary(SET.primary_port())
+            self.assertLessEqual(len(lost_in_switch), 5,
+                                 f"acknowledged registrations lost by SENTINEL FAILOVER: {lost_in_switch}")
             first = (len(registered), slowest[0])
             slowest[0] = 0.0
             # 2. The primary killed: its replica alone must take writes.
@@ -92,7 +99,7 @@ class Failover(unittest.TestCase):
         self.assertEqual(router.route(registered[-1]), server.server_id)
         self.assertTrue(server.unregister("late"))
         missing = on_primary(after)
-        print(f"\n  [figure] sentinel: SENTINEL FAILOVER: {first[0]} registrations, none lost, slowest {first[1]:.1f} s; "
+        print(f"\n  [figure] sentinel: SENTINEL FAILOVER: {first[0]} registrations, {len(lost_in_switch)} lost, slowest {first[1]:.1f} s; "
               f"kill: {len(registered)} in all, none failed, {len(missing)} lost with the killed primary, "
               f"slowest {slowest[0]:.1f} s; heartbeat lost {len(lost)}x, restored {len(restored)}x", end="")
         server.close()
