@@ -164,9 +164,7 @@ async fn verdict_after_a_step(first_master: bool) -> Option<Verdict> {
     .unwrap()
     .expect("start a local cluster");
 
-    let mut settings = settings(&cluster.nodes[0], registry_janitor::config::Layout::Keys);
-    settings.redis_cluster = true;
-    settings.redis_cluster_seeds = cluster.seeds();
+    let mut settings = cluster_settings(&cluster, registry_janitor::config::Layout::Keys);
     settings.heartbeat_grace_ms = GRACE_MS;
     let conn = conn::shared_for(&conn::target_for(&settings).unwrap())
         .await

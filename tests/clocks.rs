@@ -466,9 +466,7 @@ async fn servers_an_hour_ahead_or_behind_are_judged_on_redis_time_on_a_cluster()
         .await
         .unwrap()
         .expect("start a local cluster");
-    let mut settings = settings(&cluster.nodes[0], Layout::Hash);
-    settings.redis_cluster = true;
-    settings.redis_cluster_seeds = cluster.seeds();
+    let mut settings = cluster_settings(&cluster, Layout::Hash);
     adjust(&mut settings);
     let conn = conn::shared_for(&conn::target_for(&settings).unwrap())
         .await

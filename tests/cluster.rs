@@ -44,9 +44,7 @@ impl ClusterFixture {
             .await
             .unwrap()
             .expect("start a local cluster");
-        let mut settings = settings(&cluster.nodes[0], layout);
-        settings.redis_cluster = true;
-        settings.redis_cluster_seeds = cluster.seeds();
+        let mut settings = cluster_settings(&cluster, layout);
         settings.chunk_size = chunk_size;
         let conn = conn::shared_for(&conn::target_for(&settings).unwrap())
             .await
@@ -1740,9 +1738,7 @@ async fn masters_flagged_nofailover_are_masters_and_clean() {
     .unwrap()
     .expect("start a local cluster");
     let layout = Layout::Keys;
-    let mut settings = settings(&cluster.nodes[0], layout);
-    settings.redis_cluster = true;
-    settings.redis_cluster_seeds = cluster.seeds();
+    let settings = cluster_settings(&cluster, layout);
     let conn = conn::shared_for(&conn::target_for(&settings).unwrap())
         .await
         .unwrap();

@@ -125,9 +125,7 @@ async fn killed_after_the_walk(dropped: bool) {
     .unwrap()
     .expect("start a local cluster");
     let layout = Layout::Keys;
-    let mut settings = settings(&cluster.nodes[0], layout);
-    settings.redis_cluster = true;
-    settings.redis_cluster_seeds = cluster.seeds();
+    let mut settings = cluster_settings(&cluster, layout);
     settings.chunk_size = 100;
     let (dead, live) = (server("gw-dead#1"), server("gw-live#1"));
     // A key prefix that keeps the events stream off the victim (below): a failover to a

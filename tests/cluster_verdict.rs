@@ -55,9 +55,7 @@ async fn setup() -> Option<Setup> {
     .await
     .unwrap()
     .expect("start a local cluster");
-    let mut settings = settings(&cluster.nodes[0], Layout::Keys);
-    settings.redis_cluster = true;
-    settings.redis_cluster_seeds = cluster.seeds();
+    let mut settings = cluster_settings(&cluster, Layout::Keys);
     settings.heartbeat_grace_ms = GRACE_MS;
     let conn = conn::shared_for(&conn::target_for(&settings).unwrap())
         .await

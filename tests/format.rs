@@ -774,9 +774,7 @@ async fn a_cluster_chunk_is_refused_once_the_format_moved_on() {
             .await
             .unwrap()
             .expect("start a local cluster");
-    let mut settings = settings(&cluster.nodes[0], Layout::Keys);
-    settings.redis_cluster = true;
-    settings.redis_cluster_seeds = cluster.seeds();
+    let settings = cluster_settings(&cluster, Layout::Keys);
     let conn = fresh_conn(&settings).await;
     let keys = Keys::for_settings(&settings);
     let registry = Registry::new(keys.clone(), Layout::Keys);

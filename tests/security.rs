@@ -566,9 +566,7 @@ async fn a_cluster_runs_over_mutual_tls() {
     };
     let layout = Layout::Keys;
     // Seeding and checking go over the plain ports; the janitor talks TLS only.
-    let mut plain = settings(&cluster.nodes[0], layout);
-    plain.redis_cluster = true;
-    plain.redis_cluster_seeds = cluster.seeds();
+    let plain = cluster_settings(&cluster, layout);
     let plain_conn = conn::shared_for(&conn::target_for(&plain).unwrap())
         .await
         .unwrap();

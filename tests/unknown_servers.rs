@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::*;
 use registry_janitor::{
-    config::{Layout, Settings},
+    config::Layout,
     conn::{self, RedisConn},
     error::Error,
     event::{ServerDead, ServerId},
@@ -356,9 +356,7 @@ async fn unknown_servers_on_a_cluster() {
         .await
         .unwrap()
         .expect("start a local cluster");
-    let mut settings: Settings = settings(&cluster.nodes[0], Layout::Keys);
-    settings.redis_cluster = true;
-    settings.redis_cluster_seeds = cluster.seeds();
+    let settings = cluster_settings(&cluster, Layout::Keys);
     let conn = conn::shared_for(&conn::target_for(&settings).unwrap())
         .await
         .unwrap();

@@ -74,6 +74,17 @@ pub fn settings(server: &RedisServer, layout: Layout) -> Settings {
     s
 }
 
+/// [`settings`] for a local cluster: its first node, every node as a seed.
+pub fn cluster_settings(
+    cluster: &registry_janitor_testkit::RedisCluster,
+    layout: Layout,
+) -> Settings {
+    let mut s = settings(&cluster.nodes[0], layout);
+    s.redis_cluster = true;
+    s.redis_cluster_seeds = cluster.seeds();
+    s
+}
+
 pub fn connect(settings: &Settings) -> RedisConn {
     conn::shared(&conn::client(&settings.redis_url).unwrap()).unwrap()
 }
