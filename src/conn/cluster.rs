@@ -25,13 +25,18 @@ fn serving_master(flags: &str) -> bool {
     master
 }
 
+/// CLUSTER NODES of one node of the cluster.
+async fn cluster_nodes(conn: &RedisConn) -> Result<String> {
+    Ok(redis::cmd("CLUSTER")
+        .arg("NODES")
+        .query_async(&mut conn.clone())
+        .await?)
+}
+
 /// The masters of the cluster now, as (host, port), from CLUSTER NODES: nodes flagged
 /// master, not failed, that serve slots.
 pub async fn cluster_masters(conn: &RedisConn) -> Result<Vec<(String, u16)>> {
-    let text: String = redis::cmd("CLUSTER")
-        .arg("NODES")
-        .query_async(&mut conn.clone())
-        .await?;
+    let text = cluster_nodes(conn).await?;
     let mut masters: Vec<(String, u16)> = text
         .lines()
         .filter_map(|line| {
@@ -118,10 +123,7 @@ fn masters_seen(text: &str) -> Option<Vec<MasterSeen>> {
 /// A command routed to a master's slot reaches the master (redis-rs follows MOVED and
 /// learns a new topology), over the connection the cleanup wrote through.
 async fn a_slot_of_each_master(conn: &RedisConn) -> Result<(Option<Vec<MasterSeen>>, u64)> {
-    let text: String = redis::cmd("CLUSTER")
-        .arg("NODES")
-        .query_async(&mut conn.clone())
-        .await?;
+    let text = cluster_nodes(conn).await?;
     Ok((masters_seen(&text), max_config_epoch(&text)?))
 }
 
@@ -290,11 +292,7 @@ pub fn node_client(settings: &Settings, host: &str, port: u16) -> Result<redis::
 /// The cluster's epoch as one node sees it: the greatest config epoch in its CLUSTER
 /// NODES. It grows with every failover.
 pub async fn cluster_epoch(conn: &RedisConn) -> Result<u64> {
-    let text: String = redis::cmd("CLUSTER")
-        .arg("NODES")
-        .query_async(&mut conn.clone())
-        .await?;
-    max_config_epoch(&text)
+    max_config_epoch(&cluster_nodes(conn).await?)
 }
 
 /// Number of hash slots of a Redis Cluster.

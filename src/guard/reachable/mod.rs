@@ -233,21 +233,13 @@ impl Reachable {
         let slack = self.tracker().bound_slack_ms();
         let late = took.as_millis() as u64 > slack;
         if late {
-            let first = self.tracker().failed();
-            self.metrics
-                .reconcile_outages
-                .with_label_values(&[Cause::FailedCalls.label()])
-                .inc();
-            self.metrics.reconcile_reachable_seconds.set(0.0);
-            if first {
-                warn!(
-                    cause = Cause::FailedCalls.label(),
-                    took_ms = took.as_millis() as u64,
-                    slack_ms = slack,
-                    grace_ms = self.grace_ms,
-                    "Redis outage (seen by a verdict: Redis took too long to answer it): verdicts on silent servers wait until Redis has been reachable for a full grace"
-                );
-            }
+            self.verdict_held(
+                Cause::FailedCalls,
+                &format!(
+                    "Redis took {} ms to answer it, more than its slack of {slack} ms",
+                    took.as_millis()
+                ),
+            );
         }
         late
     }
@@ -261,11 +253,16 @@ impl Reachable {
     /// slow answer).
     pub fn verdict_past_bound(&self, redis_ms: u64) {
         let stepped = self.time_bound_ms().is_none_or(|now| redis_ms > now);
-        let cause = if stepped {
-            Cause::ClockJump
+        let (cause, what) = if stepped {
+            (Cause::ClockJump, "Redis's clock stepped forward")
         } else {
-            Cause::FailedCalls
+            (Cause::FailedCalls, "Redis took too long to run it")
         };
+        self.verdict_held(cause, &format!("{what}: Redis time {redis_ms} ms"));
+    }
+
+    /// A verdict found an outage (`cause`, `what`): counted, and logged once per outage.
+    fn verdict_held(&self, cause: Cause, what: &str) {
         let first = self.tracker().failed();
         self.metrics
             .reconcile_outages
@@ -275,14 +272,8 @@ impl Reachable {
         if first {
             warn!(
                 cause = cause.label(),
-                redis_time_ms = redis_ms,
                 grace_ms = self.grace_ms,
-                "Redis outage ({}, seen by a verdict): verdicts on silent servers wait until Redis has been reachable for a full grace",
-                if stepped {
-                    "Redis's clock stepped forward"
-                } else {
-                    "Redis took too long to run it"
-                }
+                "Redis outage ({what}, seen by a verdict): verdicts on silent servers wait until Redis has been reachable for a full grace"
             );
         }
     }
