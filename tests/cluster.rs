@@ -1416,6 +1416,55 @@ async fn a_live_reshard_during_the_cleanup(layout: Layout) {
     worker.stop().await;
 }
 
+/// A reshard gives a master a new first slot while nothing the worker does touches it:
+/// the worker's slot map still names the old master for that slot, and the commands that
+/// end a walk (CLUSTER MYID, INFO, WAIT, routed by that slot) carry no key that would get
+/// MOVED. The walk still ends, and the event is acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_walk_ends_after_a_reshard_moved_a_masters_first_slot() {
+    let Some(mut f) = ClusterFixture::start(3, 0, Layout::Keys, 200).await else {
+        return;
+    };
+    // Slot 0 moves; no key the worker touches may be in it, or the worker would learn of
+    // the move by a redirect: a prefix of its own, so that the keys are always the same.
+    f.settings.key_prefix = "first-slot:".into();
+    f.keys = Keys::for_settings(&f.settings);
+    f.registry = Registry::new(f.keys.clone(), Layout::Keys);
+    let (a, b, live) = (server("gw-a#1"), server("gw-b#1"), server("gw-live#1"));
+    for s in [&a, &b, &live] {
+        seed(&f.registry, &f.conn, s, 300).await;
+    }
+    let slot_zero = |key: &[u8]| conn::key_slot(key) == 0;
+    for s in [&a, &b, &live] {
+        assert!(!slot_zero(f.keys.server_users(s).as_bytes()));
+        for n in 0..300 {
+            assert!(!slot_zero(&f.keys.user(&entry(Layout::Keys, s, n))));
+        }
+    }
+    let in_slot_zero = (0u32..)
+        .map(|n| format!("slot-zero-{n}"))
+        .find(|k| slot_zero(k.as_bytes()))
+        .unwrap();
+    assert_eq!(f.cluster.master_of(in_slot_zero.as_bytes()), Some(0));
+
+    let worker = spawn_worker(&f.settings);
+    kill(&f.conn, &f.keys, &a).await;
+    f.wait_idle(Duration::from_secs(60)).await;
+    tokio::task::block_in_place(|| f.cluster.reshard(0, 1, 1)).expect("the reshard succeeds");
+    assert_eq!(
+        f.cluster.master_of(in_slot_zero.as_bytes()),
+        Some(1),
+        "slot 0 moved to the second master, as its first slot"
+    );
+
+    kill(&f.conn, &f.keys, &b).await;
+    f.wait_idle(Duration::from_secs(60)).await;
+    let conn = fresh_conn(&f.settings).await;
+    assert_eq!(still_pointing(&f.registry, &conn, &b, 300).await, 0);
+    assert_eq!(still_pointing(&f.registry, &conn, &live, 300).await, 300);
+    worker.stop().await;
+}
+
 /// route.lua declares `no-cluster`: a Redis Cluster refuses it whatever the owner's slot,
 /// and the Registry, given a plain connection to a cluster node, says why and what to do
 /// (on a cluster connection it routes in single-slot steps, without the script).

@@ -295,7 +295,7 @@ async fn a_rebuilt_cluster_connection_still_waits_for_the_replicas() {
         .query_async(&mut conn.clone())
         .await
         .unwrap();
-    let before = conn::wait_replicated(&conn, Duration::from_millis(1_000))
+    let before = conn::wait_replicated(&conn, Duration::from_millis(1_000), &Keys::new(""))
         .await
         .unwrap();
 
@@ -305,7 +305,7 @@ async fn a_rebuilt_cluster_connection_still_waits_for_the_replicas() {
         Err(std::io::Error::from(std::io::ErrorKind::TimedOut).into());
     cc.observe(generation, &timed_out).await;
     let rebuilt = cc.rebuilds();
-    let after = conn::wait_replicated(&conn, Duration::from_millis(1_000))
+    let after = conn::wait_replicated(&conn, Duration::from_millis(1_000), &Keys::new(""))
         .await
         .unwrap();
     cluster.nodes[replica]

@@ -309,7 +309,7 @@ impl Cleaner {
             // The epoch and the masters asked come from one node's view of the cluster: a
             // failover that made a replica without the deletes a master shows in both.
             let found = retrying_counted("waiting for the replicas", stop, None, || {
-                crate::conn::wait_replicated(conn, REPLICATION_WAIT)
+                crate::conn::wait_replicated(conn, REPLICATION_WAIT, &self.keys)
             })
             .await?;
             let epoch = found.epoch;

@@ -8,6 +8,8 @@ use super::{client_with, connection_info, install_crypto_provider, tls_certifica
 use crate::{
     config::Settings,
     error::{Error, Result},
+    event::ServerId,
+    keys::Keys,
 };
 
 /// Whether CLUSTER NODES flags (comma-separated) name a master that is not failed nor
@@ -151,7 +153,12 @@ fn max_config_epoch(text: &str) -> Result<u64> {
 /// (`role:master`): redis-rs sends a request whose node is gone to another node, and a
 /// demoted master has no replicas of its own. `None` when it did not: the caller asks
 /// again.
-async fn replicated_on(conn: &RedisConn, master: &MasterSeen, timeout: Duration) -> Option<bool> {
+async fn replicated_on(
+    conn: &RedisConn,
+    master: &MasterSeen,
+    timeout: Duration,
+    keys: &Keys,
+) -> Option<bool> {
     let on_node = |question: redis::Cmd| async move {
         let mut pipe = redis::pipe();
         pipe.cmd("CLUSTER").arg("MYID").add_command(question);
@@ -161,7 +168,11 @@ async fn replicated_on(conn: &RedisConn, master: &MasterSeen, timeout: Duration)
             .ok()?;
         let [id, answer]: [redis::Value; 2] = replies.try_into().ok()?;
         let id: String = redis::from_redis_value(id).ok()?;
-        (id == master.id).then_some(answer)
+        if id != master.id {
+            learn_the_master_of(conn, master.slot, keys).await;
+            return None;
+        }
+        Some(answer)
     };
     let replication = || async {
         let info = on_node(redis::cmd("INFO").arg("replication").to_owned()).await?;
@@ -188,6 +199,28 @@ async fn replicated_on(conn: &RedisConn, master: &MasterSeen, timeout: Duration)
     let _: i64 = redis::from_redis_value(on_node(wait).await?).ok()?;
     let after = replication().await?;
     Some(replicas_at(&after, target) >= replicas)
+}
+
+/// Makes redis-rs learn which master serves `slot` now, after a command sent there by
+/// its slot map reached another node. Commands without keys (CLUSTER MYID, INFO, WAIT)
+/// never get MOVED, so redis-rs, which reads the slot map again only on a redirect or a
+/// failure, would send them to the same node for as long as nothing else touches that
+/// slot: after a reshard moved a master's first slot, a walk's end would ask the wrong
+/// node forever. A read of a key in that slot (the liveness key of a server id chosen for
+/// its slot, which the worker's ACL covers) gets MOVED from the wrong node, and redis-rs
+/// follows it and reads the slot map again. Its outcome is not needed.
+async fn learn_the_master_of(conn: &RedisConn, slot: u16, keys: &Keys) {
+    let Some(key) = (0u32..)
+        .filter_map(|n| ServerId::parse(&format!("slot-{n}")).ok())
+        .map(|server| keys.server_alive(&server))
+        .find(|key| key_slot(key.as_bytes()) == slot)
+    else {
+        return;
+    };
+    let _: redis::RedisResult<redis::Value> = redis::cmd("EXISTS")
+        .arg(key)
+        .query_async(&mut conn.clone())
+        .await;
 }
 
 /// How many replicas in INFO replication's `slaveN:...,state=online,offset=N,...` lines
@@ -242,7 +275,11 @@ impl Replicated {
 /// (with a WAIT of at most `timeout` to hasten them): the writes are then on the replicas
 /// too, so a failover after it cannot lose them. A master that does not answer, or not itself, is not counted as
 /// done, and neither are slots that have no master up.
-pub async fn wait_replicated(conn: &RedisConn, timeout: Duration) -> Result<Replicated> {
+pub async fn wait_replicated(
+    conn: &RedisConn,
+    timeout: Duration,
+    keys: &Keys,
+) -> Result<Replicated> {
     let (masters, epoch) = a_slot_of_each_master(conn).await?;
     let Some(masters) = masters else {
         return Ok(Replicated {
@@ -255,7 +292,7 @@ pub async fn wait_replicated(conn: &RedisConn, timeout: Duration) -> Result<Repl
     };
     let waits = masters
         .iter()
-        .map(|master| replicated_on(conn, master, timeout));
+        .map(|master| replicated_on(conn, master, timeout, keys));
     let answers = futures_util::future::join_all(waits).await;
     Ok(Replicated {
         masters: masters.len(),
