@@ -152,6 +152,13 @@ async fn cleans_dead_servers_on_a_cluster(layout: Layout) {
     assert_eq!(cleaned.len(), 2, "{cleaned:?}");
     worker.settled().await;
     assert_eq!(events_with(&worker.metrics, outcome::CLEANED), 2);
+    assert!(
+        counter_of(
+            &worker.metrics,
+            "registry_janitor_step_queue_delay_seconds_count"
+        ) > 0,
+        "the chunks' check-and-delete went through the step limiter (latency_target_ms 1)"
+    );
     assert_eq!(worker.metrics.entries_deleted.get(), 3_999);
     assert_eq!(worker.metrics.entries_kept.get(), 1);
     worker.stop().await;

@@ -233,15 +233,24 @@ impl Cleaner {
                 self.build.min, self.build.format
             )));
         }
+        let step = self.cluster_step_members(conn).await;
+        let size = step
+            .saturating_mul(self.chunks_in_flight)
+            .min(self.chunk_size);
         let chunk = retrying_counted("cleanup scan", stop, Some(errors), || {
-            self.cluster_scan(conn, server, *epoch, in_use)
+            self.cluster_scan(conn, server, *epoch, in_use, size)
         })
         .await?;
         let members = &chunk.members;
-        let checked = retrying_counted("cleanup delete", stop, Some(errors), || {
-            crate::forward::check_delete(conn, &self.keys, self.layout, server, members)
-        })
-        .await?;
+        // The chunk's check-and-delete in steps of `step` members, at once: each is what
+        // the limiter holds.
+        let steps = members
+            .chunks(step.max(1))
+            .map(|part| self.limited_check_delete(conn, server, part, errors, stop));
+        let mut checked = crate::forward::Checked::default();
+        for part in futures_util::future::join_all(steps).await {
+            checked.merge(part?);
+        }
         let (deleted, kept, rechecked) = (checked.deleted, checked.kept, checked.rechecked);
         let mut gone = checked.deleted_users;
         gone.extend(checked.absent_users);
@@ -401,19 +410,72 @@ impl Cleaner {
         .await
     }
 
+    /// One step of a chunk's check-and-delete, through the limiter when there is one: a
+    /// permit before it, and its longest script's execution time reported with the round
+    /// trip (its scripts are what a lookup waits behind).
+    async fn limited_check_delete(
+        &self,
+        conn: &RedisConn,
+        server: &ServerId,
+        members: &[Vec<u8>],
+        errors: &prometheus::IntCounter,
+        stop: &CancellationToken,
+    ) -> Result<crate::forward::Checked> {
+        let mut permit = match (&self.limiter, members.is_empty()) {
+            (Some(limiter), false) => Some(limiter.acquire(0).await),
+            _ => None,
+        };
+        if let Some(permit) = permit.as_mut() {
+            permit.sent();
+        }
+        let checked = retrying_counted("cleanup delete", stop, Some(errors), || {
+            crate::forward::check_delete(conn, &self.keys, self.layout, server, members)
+        })
+        .await?;
+        if let (Some(permit), Some((execution, entries))) = (permit, checked.longest) {
+            permit.complete(execution, entries);
+        }
+        Ok(checked)
+    }
+
+    /// Members of one check-and-delete step: `chunk_size`, or with a limiter as many as
+    /// make each master's script the limiter's step size (the members spread over the
+    /// masters in layouts `keys` and `conns`; in layout `hash` they all go to the master of
+    /// `registry`), at most `chunk_size`. A chunk walks `chunks_in_flight` such steps, at
+    /// most `chunk_size` members, and sends its steps at once.
+    async fn cluster_step_members(&self, conn: &RedisConn) -> usize {
+        let Some(limiter) = &self.limiter else {
+            return self.chunk_size;
+        };
+        let masters = match self.layout {
+            crate::config::Layout::Hash => 1,
+            _ => conn
+                .slot_owners()
+                .await
+                .ok()
+                .flatten()
+                .map_or(1, |owners| owners.masters().max(1)),
+        };
+        limiter
+            .step_size(self.chunk_size)
+            .saturating_mul(masters)
+            .min(self.chunk_size)
+    }
+
     async fn cluster_scan(
         &self,
         conn: &RedisConn,
         server: &ServerId,
         epoch: u64,
         in_use: u32,
+        size: usize,
     ) -> Result<Chunk> {
         let mut call = CLUSTER_SCAN.prepare_invoke();
         call.key(self.keys.server_users(server))
             .key(self.keys.server_walking(server))
             .key(self.keys.server_cleanup(server))
             .key(self.keys.server_moved(server))
-            .arg(self.chunk_size)
+            .arg(size)
             .arg(epoch)
             .arg(self.build.format)
             .arg(self.build.min)

@@ -39,7 +39,12 @@
 //! target whatever the number of processes. A step acquires a permit before it is sent;
 //! waiting steps get permits in the order of `step_order`: `smallest_first` (the cleanup
 //! with the fewest members left, shortest job first) or `round_robin` (in the order asked,
-//! which interleaves the cleanups). The cluster walk is not limited.
+//! which interleaves the cleanups).
+//!
+//! On a cluster the step is a chunk's check-and-delete (its scripts on the masters, in
+//! parallel); the longest script's execution time and entries stand for the step, and a
+//! chunk walks the step size times the masters its entries spread over, at most
+//! `chunk_size` (see `Cleaner::clean_on_cluster`).
 
 use std::{
     cmp::Reverse,

@@ -217,8 +217,8 @@ pub struct Cleaner {
     unknown_verdicts: Option<prometheus::IntCounter>,
     /// Counts failed step attempts (Redis errors), when set.
     errors: Option<prometheus::IntCounter>,
-    /// The process's window of steps in flight, shared by its cleanups (single node;
-    /// none when `latency_target_ms` is 0). See [`limiter`].
+    /// The process's window of steps in flight, shared by its cleanups (none when
+    /// `latency_target_ms` is 0). See [`limiter`].
     limiter: Option<Arc<limiter::Limiter>>,
     /// The data formats this cleaner works under: each step is refused (error
     /// [`Error::Format`]) when the format in use, or the one its progress record was
@@ -255,8 +255,9 @@ impl Cleaner {
         self
     }
 
-    /// Sends single-node steps through `limiter` (shared by every clone of this cleaner,
-    /// so by every cleanup of the process); `None` sends them as they come.
+    /// Sends steps through `limiter` (shared by every clone of this cleaner, so by every
+    /// cleanup of the process): single-node steps, and on a cluster each chunk's
+    /// check-and-delete; `None` sends them as they come.
     pub fn limited(mut self, limiter: Option<Arc<limiter::Limiter>>) -> Self {
         self.limiter = limiter;
         self

@@ -8,11 +8,14 @@
 -- Layout conns: KEYS = the users' Hashes `user:{<user>}:conns` (all in one slot), one per
 --   member, ARGV[3..] the members' connection ids, in the same order.
 -- ARGV[1] dead server id  ARGV[2] 'hash', 'keys' or 'conns'
--- Returns {entries deleted, entries kept, positions deleted, positions absent}: the
--- positions (1-based, in the order given) of the users whose entry this call deleted, and
--- of those that had no entry (the evictions stream on a cluster announces both: an
--- absent entry may be one whose delete was done by an attempt that never announced it).
+-- Returns {entries deleted, entries kept, positions deleted, positions absent, execution
+-- time in microseconds}: the positions (1-based, in the order given) of the users whose
+-- entry this call deleted, and of those that had no entry (the evictions stream on a
+-- cluster announces both: an absent entry may be one whose delete was done by an attempt
+-- that never announced it). The execution time (TIME at the start and the end) is what
+-- the step limiter compares the round trip with.
 
+local started = redis.call('TIME')
 local server, hash_layout, conns_layout = ARGV[1], ARGV[2] == 'hash', ARGV[2] == 'conns'
 local names = {}
 if hash_layout or conns_layout then
@@ -63,4 +66,6 @@ for first = 1, #names, BATCH do
     end
   end
 end
-return {deleted, kept, deleted_at, absent_at}
+local ended = redis.call('TIME')
+local us = (ended[1] - started[1]) * 1000000 + (ended[2] - started[2])
+return {deleted, kept, deleted_at, absent_at, us}

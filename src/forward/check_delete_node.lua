@@ -18,9 +18,11 @@
 -- Layout conns: ARGV[3..] pairs: a user's Hash `user:{<user>}:conns`, then a connection
 --   id; the entry is that field (HGET, HDEL: Redis deletes the Hash with its last field).
 -- Returns {entries deleted, entries kept, positions deleted, positions absent,
--- positions not served here}: positions 1-based in the entries given (the first key, or
--- the first pair, is 1).
+-- positions not served here, execution time in microseconds}: positions 1-based in the
+-- entries given (the first key, or the first pair, is 1); the execution time (TIME at the
+-- start and the end) is what the step limiter compares the round trip with.
 
+local started = redis.call('TIME')
 local server, conns = ARGV[1], ARGV[2] == 'conns'
 local step = conns and 2 or 1
 local deleted, kept = 0, 0
@@ -61,4 +63,6 @@ for i = 3, #ARGV, step do
     absent_at[#absent_at + 1] = at
   end
 end
-return {deleted, kept, deleted_at, absent_at, elsewhere_at}
+local ended = redis.call('TIME')
+local us = (ended[1] - started[1]) * 1000000 + (ended[2] - started[2])
+return {deleted, kept, deleted_at, absent_at, elsewhere_at, us}

@@ -46,11 +46,18 @@ pub struct Checked {
     /// Users that a master's script on a cluster did not check (their slot moved or is
     /// moving, or the script failed) and that went through the per-slot scripts.
     pub rechecked: u64,
+    /// The script that ran longest inside Redis: its execution time and the entries it
+    /// was given (what the step limiter measures a step by).
+    pub longest: Option<(std::time::Duration, u64)>,
 }
 
 impl Checked {
     /// Adds what one script did with `users` (its reply names positions from 1).
     fn add(&mut self, reply: SlotReply, users: &[&Vec<u8>]) {
+        let execution = std::time::Duration::from_micros(reply.execution_us);
+        if self.longest.is_none_or(|(longest, _)| execution > longest) {
+            self.longest = Some((execution, users.len() as u64));
+        }
         self.deleted += reply.deleted;
         self.kept += reply.kept;
         let at = |i: usize| users.get(i.wrapping_sub(1)).map(|u| (*u).clone());
@@ -61,39 +68,46 @@ impl Checked {
     }
 
     /// Adds another check-and-delete's totals and users.
-    fn merge(&mut self, more: Checked) {
+    pub(crate) fn merge(&mut self, more: Checked) {
         self.deleted += more.deleted;
         self.kept += more.kept;
         self.deleted_users.extend(more.deleted_users);
         self.absent_users.extend(more.absent_users);
         self.rechecked += more.rechecked;
+        if let Some((execution, _)) = more.longest {
+            if self.longest.is_none_or(|(longest, _)| execution > longest) {
+                self.longest = more.longest;
+            }
+        }
     }
 }
 
-/// What check_delete.lua replies: {deleted, kept, positions deleted, positions absent}
-/// (positions count from 1 in the users given).
+/// What check_delete.lua replies: {deleted, kept, positions deleted, positions absent,
+/// execution time in microseconds} (positions count from 1 in the users given).
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct SlotReply {
     deleted: u64,
     kept: u64,
     deleted_at: Vec<usize>,
     absent_at: Vec<usize>,
+    execution_us: u64,
 }
 
 impl redis::FromRedisValue for SlotReply {
     fn from_redis_value(v: redis::Value) -> std::result::Result<Self, redis::ParsingError> {
-        let mut f = Fields::new("check_delete.lua", v, 4)?;
+        let mut f = Fields::new("check_delete.lua", v, 5)?;
         Ok(SlotReply {
             deleted: f.next("deleted")?,
             kept: f.next("kept")?,
             deleted_at: f.next("deleted positions")?,
             absent_at: f.next("absent positions")?,
+            execution_us: f.next("execution time")?,
         })
     }
 }
 
-/// What check_delete_node.lua replies: check_delete.lua's fields, and the positions of
-/// the users whose slot that node does not serve.
+/// What check_delete_node.lua replies: check_delete.lua's fields, with the positions of
+/// the users whose slot that node does not serve before the execution time.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct NodeReply {
     slot: SlotReply,
@@ -102,15 +116,19 @@ struct NodeReply {
 
 impl redis::FromRedisValue for NodeReply {
     fn from_redis_value(v: redis::Value) -> std::result::Result<Self, redis::ParsingError> {
-        let mut f = Fields::new("check_delete_node.lua", v, 5)?;
+        let mut f = Fields::new("check_delete_node.lua", v, 6)?;
+        let (deleted, kept) = (f.next("deleted")?, f.next("kept")?);
+        let (deleted_at, absent_at) = (f.next("deleted positions")?, f.next("absent positions")?);
+        let elsewhere_at = f.next("positions served elsewhere")?;
         Ok(NodeReply {
             slot: SlotReply {
-                deleted: f.next("deleted")?,
-                kept: f.next("kept")?,
-                deleted_at: f.next("deleted positions")?,
-                absent_at: f.next("absent positions")?,
+                deleted,
+                kept,
+                deleted_at,
+                absent_at,
+                execution_us: f.next("execution time")?,
             },
-            elsewhere_at: f.next("positions served elsewhere")?,
+            elsewhere_at,
         })
     }
 }

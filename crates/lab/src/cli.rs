@@ -190,7 +190,7 @@ pub struct BenchOptions {
     /// A zone outage instead: this many servers die at once, their events are published
     /// together, `--workers` worker processes clean them while a probe process looks up
     /// live users every millisecond; then one server of the same total size, one worker.
-    /// Always on a private redis-server.
+    /// On a private redis-server, or with `--local-cluster` a private local cluster.
     #[arg(long, value_name = "D")]
     pub zone: Option<usize>,
     /// Users of each server of the zone.

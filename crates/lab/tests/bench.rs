@@ -168,26 +168,46 @@ fn bench_verifies_every_run_on_a_local_cluster() {
 /// event acknowledged; the probe process measured lookups during the cleanup.
 #[test]
 fn bench_zone_verifies_every_run() {
-    let redis = redis(); // only for a settings template; the zone bench starts its own
-    let settings = settings(&redis, Layout::Hash);
-    let report = bench_json(
-        &settings,
-        &[
-            "--zone",
-            "6",
-            "--zone-users",
-            "3000",
-            "--workers",
-            "2",
-            "--latency-targets",
-            "0,1",
-            "--step-orders",
-            "smallest_first,round_robin",
-        ],
+    bench_zone(
+        Layout::Hash,
+        &["--step-orders", "smallest_first,round_robin"],
+        4,
     );
+}
+
+/// The same on a private local cluster (`--local-cluster`), layout keys: the zone's
+/// check-and-delete goes to every master, limited and not.
+#[test]
+fn bench_zone_verifies_every_run_on_a_local_cluster() {
+    if !registry_janitor_testkit::RedisCluster::supported() {
+        registry_janitor_testkit::cannot_run(
+            "this redis-server cannot run a cluster (or redis-cli is missing)",
+        );
+        return;
+    }
+    bench_zone(Layout::Keys, &["--local-cluster"], 2);
+}
+
+/// `bench --zone 6` of 3,000 users per server, 2 workers, latency targets 0 and 1, with
+/// `more` flags: `settings` settings in the report, each run verified.
+fn bench_zone(layout: Layout, more: &[&str], settings_count: usize) {
+    let redis = redis(); // only for a settings template; the zone bench starts its own
+    let settings = settings(&redis, layout);
+    let mut args = vec![
+        "--zone",
+        "6",
+        "--zone-users",
+        "3000",
+        "--workers",
+        "2",
+        "--latency-targets",
+        "0,1",
+    ];
+    args.extend_from_slice(more);
+    let report = bench_json(&settings, &args);
     calibrated(&report);
     let settings_run = report["settings"].as_array().unwrap();
-    assert_eq!(settings_run.len(), 4, "{report}");
+    assert_eq!(settings_run.len(), settings_count, "{report}");
     for s in settings_run {
         for run in s["repeats"].as_array().unwrap() {
             let servers = run["servers"].as_u64().unwrap();

@@ -19,7 +19,46 @@ pub(super) struct Slowest {
     pub(super) over_5ms: u64,
 }
 
-pub(super) async fn slowlog_reset(conn: &RedisConn) -> Result<()> {
+/// The nodes whose SLOWLOG counts: the one node, or every master of a cluster (the
+/// commands of a cluster walk and the lookups spread over them).
+pub(super) async fn slowlog_nodes(settings: &Settings, conn: &RedisConn) -> Result<Vec<RedisConn>> {
+    if !conn.is_cluster() {
+        return Ok(vec![conn.clone()]);
+    }
+    conn::cluster_masters(conn)
+        .await?
+        .into_iter()
+        .map(|(host, port)| conn::shared(&conn::node_client(settings, &host, port)?))
+        .collect()
+}
+
+/// [`slowlog_reset`] on each of `nodes`.
+pub(super) async fn slowlogs_reset(nodes: &[RedisConn]) -> Result<()> {
+    for node in nodes {
+        slowlog_reset(node).await?;
+    }
+    Ok(())
+}
+
+/// [`slowlog_read`] of each of `nodes`, together: the slowest of all, and every command
+/// over 5 ms.
+pub(super) async fn slowlogs_read(nodes: &[RedisConn]) -> Result<Slowest> {
+    let mut all = Slowest {
+        max_us: 0,
+        command: String::new(),
+        over_5ms: 0,
+    };
+    for node in nodes {
+        let one = slowlog_read(node).await?;
+        all.over_5ms += one.over_5ms;
+        if one.max_us > all.max_us {
+            (all.max_us, all.command) = (one.max_us, one.command);
+        }
+    }
+    Ok(all)
+}
+
+async fn slowlog_reset(conn: &RedisConn) -> Result<()> {
     redis::pipe()
         .cmd("CONFIG")
         .arg("SET")
@@ -39,7 +78,7 @@ pub(super) async fn slowlog_reset(conn: &RedisConn) -> Result<()> {
     Ok(())
 }
 
-pub(super) async fn slowlog_read(conn: &RedisConn) -> Result<Slowest> {
+async fn slowlog_read(conn: &RedisConn) -> Result<Slowest> {
     // Each entry: id, unix time, duration in us, [command, args...], client addr, name.
     let entries: Vec<redis::Value> = redis::cmd("SLOWLOG")
         .arg("GET")

@@ -126,16 +126,22 @@ impl ZoneReport {
     }
 }
 
-/// Runs the zone benchmark on a private redis-server.
+/// Runs the zone benchmark on a private redis-server, or with `--local-cluster` on a
+/// private local cluster of 3 masters.
 pub async fn run(settings: &Settings, options: &Options, worker_exe: &Path) -> Result<ZoneReport> {
     let zone = options.zone.unwrap_or(1).max(1);
-    let redis = crate::private::start_server().await?;
-    eprintln!(
-        "started a private redis-server on port {} for the zone benchmark",
-        redis.port()
-    );
-    let mut settings = settings.clone();
-    settings.redis_url = redis.url();
+    let (settings, _private) = if options.local_cluster {
+        crate::private::redis_for(settings, true).await?
+    } else {
+        let redis = crate::private::start_server().await?;
+        eprintln!(
+            "started a private redis-server on port {} for the zone benchmark",
+            redis.port()
+        );
+        let mut settings = settings.clone();
+        settings.redis_url = redis.url();
+        (settings, crate::private::Private::Node(Some(redis)))
+    };
     let conn = conn::shared_for(&conn::target_for(&settings)?).await?;
     let redis_version = crate::bench::probe::redis_version(&settings, &conn).await?;
     let calibration =

@@ -20,7 +20,7 @@ use registry_janitor::{
 use tokio::process::Child;
 
 use super::{
-    measure::{cpu_seconds, slowlog_read, slowlog_reset, Probe},
+    measure::{cpu_seconds, slowlog_nodes, slowlogs_read, slowlogs_reset, Probe},
     scene::{ZoneScene, LIVE_USERS},
     ZoneRun,
 };
@@ -76,11 +76,12 @@ impl ZoneBench<'_> {
         // A second of lookups with Redis idle first: the machine's own floor.
         tokio::time::sleep(Duration::from_millis(1000)).await;
         let cpu_before = redis_cpu(self.settings, self.conn).await?;
-        slowlog_reset(self.conn).await?;
+        let slowlogs = slowlog_nodes(self.settings, self.conn).await?;
+        slowlogs_reset(&slowlogs).await?;
         let added = publish_all(self.conn, &scene).await?;
         wait_cleaned(self.conn, &scene.keys).await?;
         let redis_cpu_seconds = redis_cpu(self.settings, self.conn).await? - cpu_before;
-        let slowest = slowlog_read(self.conn).await?;
+        let slowest = slowlogs_read(&slowlogs).await?;
         let lookups = probe.finish().await?;
         let (worker_peak_rss_bytes, worker_cpu_seconds) = stop_workers(children).await;
         let acks = Acks::read(self.conn, &scene.keys, &added).await?;
@@ -145,6 +146,15 @@ impl ZoneBench<'_> {
             .arg("--users")
             .arg(LIVE_USERS.to_string())
             .env("JANITOR_REDIS_URL", &self.settings.redis_url)
+            .env(
+                "JANITOR_REDIS_CLUSTER",
+                self.settings.redis_cluster.to_string(),
+            )
+            .env(
+                "JANITOR_REDIS_CLUSTER_SEEDS",
+                serde_json::to_string(&self.settings.redis_cluster_seeds)
+                    .expect("strings serialize"),
+            )
             .env("JANITOR_KEY_PREFIX", keys.prefix())
             .env("JANITOR_LAYOUT", self.settings.layout.as_str())
             .env("JANITOR_METRICS_ADDR", "off")
