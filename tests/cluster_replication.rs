@@ -323,3 +323,61 @@ async fn a_rebuilt_cluster_connection_still_waits_for_the_replicas() {
          write that the paused replica cannot hold: {after:?}"
     );
 }
+
+/// A cluster whose nodes refuse WAIT to the janitor's user (an ACL without it, or a hosted
+/// service that disables it): the end of a walk cannot wait for the replicas, says so,
+/// and goes on; the event is acknowledged, the dead server's entries gone, the live ones
+/// kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_refusing_wait_still_ends_the_walk() {
+    init_logs();
+    if !RedisCluster::supported() {
+        cannot_run("this redis-server cannot run a cluster (or redis-cli is missing)");
+        return;
+    }
+    let cluster = tokio::task::spawn_blocking(|| RedisCluster::start(3, 1))
+        .await
+        .unwrap()
+        .expect("start a local cluster");
+    for node in &cluster.nodes {
+        let mut c = redis::Client::open(node.url())
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        let _: () = redis::cmd("ACL")
+            .arg("SETUSER")
+            .arg("default")
+            .arg("-wait")
+            .query_async(&mut c)
+            .await
+            .unwrap();
+    }
+    let layout = Layout::Keys;
+    let settings = cluster_settings(&cluster, layout);
+    let keys = Keys::for_settings(&settings);
+    let conn = conn::shared_for(&conn::target_for(&settings).unwrap())
+        .await
+        .unwrap();
+    let registry = Registry::new(keys.clone(), layout);
+    let (dead, live) = (server("gw-dead#1"), server("gw-live#1"));
+    seed(&registry, &conn, &dead, 500).await;
+    seed(&registry, &conn, &live, 200).await;
+
+    let worker = spawn_worker(&settings);
+    kill(&conn, &keys, &dead).await;
+    wait_until(
+        &cluster.nodes[0],
+        "the event acknowledged",
+        Duration::from_secs(60),
+        || async {
+            status::collect_from(&conn, &keys)
+                .await
+                .is_ok_and(|s| s.is_idle())
+        },
+    )
+    .await;
+    assert_eq!(still_pointing(&registry, &conn, &dead, 500).await, 0);
+    assert_eq!(still_pointing(&registry, &conn, &live, 200).await, 200);
+    worker.stop().await;
+}

@@ -152,7 +152,9 @@ fn max_config_epoch(text: &str) -> Result<u64> {
 /// MYID in one pipeline, and counts only if the master answered it, as a master
 /// (`role:master`): redis-rs sends a request whose node is gone to another node, and a
 /// demoted master has no replicas of its own. `None` when it did not: the caller asks
-/// again.
+/// again. A question refused for good (an ACL without CLUSTER MYID, INFO or WAIT, or a
+/// hosted service that disables one) is not one that waiting answers: it is logged and
+/// the master counted as done, nothing waited for.
 async fn replicated_on(
     conn: &RedisConn,
     master: &MasterSeen,
@@ -167,21 +169,37 @@ async fn replicated_on(
             .await
             .ok()?;
         let [id, answer]: [redis::Value; 2] = replies.try_into().ok()?;
+        if let Some(why) = refusal(&id) {
+            return Some(Said::Refused(why));
+        }
         let id: String = redis::from_redis_value(id).ok()?;
         if id != master.id {
             learn_the_master_of(conn, master.slot, keys).await;
             return None;
         }
-        Some(answer)
+        if let Some(why) = refusal(&answer) {
+            return Some(Said::Refused(why));
+        }
+        Some(Said::Answer(answer))
+    };
+    let refused = |why: String| {
+        tracing::warn!(error = %why, "the end of a walk cannot ask a master for its replicas (refused): it goes on without waiting for them, and a failover may bring some of the walk's deletes back until the drift sweep removes them");
+        Some(true)
     };
     let replication = || async {
-        let info = on_node(redis::cmd("INFO").arg("replication").to_owned()).await?;
+        let info = match on_node(redis::cmd("INFO").arg("replication").to_owned()).await? {
+            Said::Answer(info) => info,
+            Said::Refused(why) => return Some(Err(why)),
+        };
         let text = redis::from_redis_value::<String>(info).ok()?;
         text.lines()
             .any(|l| l.trim_end() == "role:master")
-            .then_some(text)
+            .then_some(Ok(text))
     };
-    let before = replication().await?;
+    let before = match replication().await? {
+        Ok(text) => text,
+        Err(why) => return refused(why),
+    };
     let field = |text: &str, name: &str| -> Option<i64> {
         text.lines()
             .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
@@ -196,9 +214,36 @@ async fn replicated_on(
         .arg(replicas)
         .arg(timeout.as_millis() as u64)
         .to_owned();
-    let _: i64 = redis::from_redis_value(on_node(wait).await?).ok()?;
-    let after = replication().await?;
+    match on_node(wait).await? {
+        Said::Answer(count) => redis::from_redis_value::<i64>(count).ok()?,
+        Said::Refused(why) => return refused(why),
+    };
+    let after = match replication().await? {
+        Ok(text) => text,
+        Err(why) => return refused(why),
+    };
     Some(replicas_at(&after, target) >= replicas)
+}
+
+/// What a master answered to one question of [`replicated_on`].
+enum Said {
+    Answer(redis::Value),
+    /// The command is refused for good (an ACL without it, a command renamed or disabled
+    /// by a hosted service), with the error.
+    Refused(String),
+}
+
+/// The error of `reply`, when it refuses its command for good rather than in a state
+/// that passes ([`crate::error::redis_code_is_transient`]).
+fn refusal(reply: &redis::Value) -> Option<String> {
+    match reply {
+        redis::Value::ServerError(e)
+            if !crate::error::redis_code_is_transient(e.code(), e.details().unwrap_or("")) =>
+        {
+            Some(format!("{} {}", e.code(), e.details().unwrap_or("")))
+        }
+        _ => None,
+    }
 }
 
 /// Makes redis-rs learn which master serves `slot` now, after a command sent there by
