@@ -619,6 +619,70 @@ mod tests {
         }
     }
 
+    /// The suite's cluster run (`crates/lab/tests/nemesis.rs`) uses seed 36: every kind
+    /// of fault of a cluster in 90 s, three failovers by SIGKILL and one manual.
+    #[test]
+    fn the_suites_cluster_seed_draws_every_kind_in_90_s() {
+        let s = Schedule::draw(
+            36,
+            &RunShape {
+                duration: Duration::from_secs(90),
+                kinds: Kind::CLUSTER.to_vec(),
+                ..shape()
+            },
+        );
+        let counts = s.counts();
+        for kind in Kind::CLUSTER {
+            assert!(counts.get(&kind).copied().unwrap_or(0) > 0, "no {kind:?}");
+        }
+        assert_eq!(counts.get(&Kind::ClusterFailover), Some(&3), "{counts:?}");
+    }
+
+    #[test]
+    fn a_cluster_schedule_fails_over_picks_masters_and_never_restarts_a_node() {
+        for seed in 0..50 {
+            let s = Schedule::draw(
+                seed,
+                &RunShape {
+                    kinds: Kind::CLUSTER.to_vec(),
+                    ..shape()
+                },
+            );
+            let counts = s.counts();
+            assert!(counts[&Kind::ClusterFailover] >= 5, "{seed}: {counts:?}");
+            assert!(
+                counts[&Kind::ClusterManualFailover] >= 1,
+                "{seed}: {counts:?}"
+            );
+            assert!(!counts.contains_key(&Kind::RedisRestart), "{seed}");
+            assert!(!counts.contains_key(&Kind::SentinelFailover), "{seed}");
+            let mut redis_until = Duration::ZERO;
+            for p in &s.faults {
+                let d = match &p.fault {
+                    Fault::ClusterFailover { down, .. } => *down + Duration::from_secs(12),
+                    Fault::ClusterManualFailover { .. } => Duration::from_secs(8),
+                    Fault::Busy { busy, master } => {
+                        assert!(master.is_some() && *busy <= Duration::from_secs(3));
+                        *busy
+                    }
+                    Fault::OomSqueeze {
+                        squeeze, master, ..
+                    } => {
+                        assert!(master.is_some());
+                        *squeeze
+                    }
+                    _ => continue,
+                };
+                assert!(
+                    p.at >= redis_until,
+                    "{seed}: Redis faults overlap at {:?}",
+                    p.at
+                );
+                redis_until = p.at + d;
+            }
+        }
+    }
+
     #[test]
     fn the_draw_keeps_the_schedule_coherent() {
         for seed in 0..50 {
