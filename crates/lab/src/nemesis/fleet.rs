@@ -1216,7 +1216,19 @@ impl Fleet {
         if fenced {
             // Nothing written: the entry is read on its own, to judge it (only the
             // janitor may have changed it meanwhile, and only by deleting it).
-            let refused = outcome(eval.query_async(&mut c).await)?;
+            let refused = match outcome(eval.query_async(&mut c).await)? {
+                // The fence went away between the read and the script: the member is
+                // written without its forward entry, as `Registry::register` would. Not
+                // a registration the load can count on.
+                Ok(()) => {
+                    return Err(
+                        "register.lua took the member after the fence read found the fence: \
+                         no forward entry"
+                            .into(),
+                    )
+                }
+                refused => refused,
+            };
             let mut read = match &field {
                 Some(_) => redis::cmd("HGET"),
                 None => redis::cmd("GET"),
