@@ -214,8 +214,10 @@ impl Topology {
         }
     }
 
-    /// A cluster failover that loses no acknowledged write, by SIGKILL (`manual`: by
-    /// `CLUSTER FAILOVER` on the replica): see [`Cluster::failover`]. Says what happened.
+    /// A cluster failover of the `master`-th master that loses no acknowledged write: by
+    /// SIGKILL, the old master back after `down` ([`Cluster::failover`]), or with `down`
+    /// None by `CLUSTER FAILOVER` on its replica ([`Cluster::manual_failover`]). Says
+    /// what happened.
     pub async fn cluster_failover(&self, master: u32, down: Option<Duration>) -> Result<String> {
         match (self, down) {
             (Topology::Cluster(cluster), Some(down)) => cluster.failover(master, down).await,
