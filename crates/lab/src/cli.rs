@@ -51,6 +51,9 @@ pub enum TopologyName {
     /// A private Sentinel group: a primary, two replicas and three sentinels; the
     /// janitor reaches it through the sentinels only.
     Sentinel,
+    /// A private Redis Cluster: three masters with a replica each; the janitor is
+    /// pointed at it with `redis_cluster` and the nodes as seeds.
+    Cluster,
 }
 
 /// A nemesis run. It always starts its own Redis; the janitor's processes run with the

@@ -10,6 +10,14 @@
 //! (previous owner none), or whether the entry was still there and is kept (previous
 //! owner the dead server). That is what the evictions stream is checked against.
 //!
+//! On a Redis Cluster the forward entry and the server's keys are in different slots, so
+//! no MULTI holds both. A registration there takes the protocol's cluster steps (the
+//! fence read; the forward entry; register.lua on the server's keys alone, which checks
+//! the fence and adds the member; release.lua if that was refused), and the forward entry
+//! is written by a script that returns the entry it replaces: the oracle is atomic with
+//! the write itself, in the entry's slot, which is all it needs (nothing but the load
+//! and the janitor write entries, and the janitor only deletes them).
+//!
 //! An operation that fails without an answer (Redis killed, BUSY, a timeout) may or may
 //! not have been applied: its entry is *uncertain* (any of the owners it may have) until
 //! the next registration reads it again. Uncertain entries are left out of the checks
@@ -40,6 +48,22 @@ use super::verdicts::{invariant, Verdicts};
 
 static REGISTER: &str = include_str!("../../../../protocol/register.lua");
 static REGISTER_CONN: &str = include_str!("../../../../protocol/register_conn.lua");
+static RELEASE: &str = include_str!("../../../../protocol/release.lua");
+
+/// On a cluster: the forward entry written (HSET of a field, or SET), the value it
+/// replaces returned, in one script of the entry's slot.
+/// KEYS[1] the forward key  ARGV[1] the field ('' for SET)  ARGV[2] the server
+/// ARGV[3] 'hash' (a field) or 'keys'
+const WRITE_READING: &str = r"
+local prev
+if ARGV[3] == 'hash' then
+  prev = redis.call('HGET', KEYS[1], ARGV[1])
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+else
+  prev = redis.call('GET', KEYS[1])
+  redis.call('SET', KEYS[1], ARGV[2])
+end
+return prev";
 
 /// The fleet's shape and pace.
 #[derive(Debug, Clone)]
@@ -274,6 +298,11 @@ struct Lost {
 struct Told {
     prev: Option<String>,
     outcome: Result<(), String>,
+    /// On a cluster: whether the forward entry was written (the entry read in `prev`
+    /// was replaced), and if register.lua then refused, whether release.lua deleted it
+    /// again (None: no answer).
+    written: bool,
+    released: Option<bool>,
 }
 
 pub struct Fleet {
@@ -287,6 +316,11 @@ pub struct Fleet {
     pub stats: Stats,
     /// Users connect, move and leave while set (cleared for the quiet end of the run).
     pub churn: AtomicBool,
+    /// On a Redis Cluster.
+    pub cluster: bool,
+    /// When the nemesis SIGKILLed a worker: on a cluster a worker killed between a
+    /// chunk's deletes and their announcement may leave a deletion unannounced.
+    pub worker_kills: Mutex<Vec<Instant>>,
     stop: CancellationToken,
     start: Instant,
 }
@@ -340,6 +374,8 @@ impl Fleet {
             })
             .collect();
         Arc::new(Fleet {
+            cluster: conn.is_cluster(),
+            worker_kills: Mutex::default(),
             registry: Registry::new(keys.clone(), params.layout),
             keys,
             params,
@@ -945,15 +981,27 @@ impl Fleet {
                     self.stats.op_errors.fetch_add(1, Ordering::Relaxed);
                     Owner::Uncertain(widen(&before, Some(to.clone())))
                 }
-                Ok(Told { prev, outcome }) => {
+                Ok(Told {
+                    prev,
+                    outcome,
+                    written,
+                    released,
+                }) => {
                     let prev = prev.and_then(|p| ServerId::parse(&p).ok());
-                    lost = self.judge_previous(&mut t, m, &before, &prev, outcome.is_ok());
+                    let replaced = outcome.is_ok() || written;
+                    lost = self.judge_previous(&mut t, m, &before, &prev, replaced);
                     match outcome {
                         Ok(()) => Owner::Known(Some(to.clone())),
                         Err(e) if e.starts_with("FENCED") => {
                             self.stats.refused_fenced.fetch_add(1, Ordering::Relaxed);
                             fenced_live = t.is_live(&to);
-                            Owner::Known(prev)
+                            match (written, released) {
+                                (false, _) => Owner::Known(prev),
+                                // Released: deleted while it named `to` (by release.lua, or
+                                // by the janitor, `to` being fenced).
+                                (true, Some(_)) => Owner::Known(None),
+                                (true, None) => Owner::Uncertain(vec![None, Some(to.clone())]),
+                            }
                         }
                         Err(_) => {
                             self.stats.op_errors.fetch_add(1, Ordering::Relaxed);
@@ -1049,8 +1097,12 @@ impl Fleet {
         None
     }
 
-    /// register.lua (register_conn.lua) in a MULTI after a read of the entry.
+    /// register.lua (register_conn.lua) in a MULTI after a read of the entry; on a
+    /// cluster, [`Fleet::tell_register_cluster`].
     async fn tell_register(&self, member: &[u8], to: &ServerId) -> Result<Told, String> {
+        if self.cluster {
+            return self.tell_register_cluster(member, to).await;
+        }
         let (key, field) = self
             .keys
             .forward_of_member(self.params.layout, member)
@@ -1107,7 +1159,127 @@ impl Fleet {
             }
             other => Err(format!("unexpected reply {other:?}")),
         };
-        Ok(Told { prev, outcome })
+        Ok(Told {
+            prev,
+            outcome,
+            written: false,
+            released: None,
+        })
+    }
+
+    /// The protocol's registration on a cluster, as `Registry::register` makes it: the
+    /// fence read (a fenced server writes no forward entry, and its register.lua alone
+    /// refuses); the forward entry, written by [`WRITE_READING`], which returns the entry
+    /// it replaced; register.lua (register_conn.lua) on the server's keys only; and if
+    /// it answers FENCED, release.lua.
+    async fn tell_register_cluster(&self, member: &[u8], to: &ServerId) -> Result<Told, String> {
+        let (key, field) = self
+            .keys
+            .forward_of_member(self.params.layout, member)
+            .ok_or("not an entry of the layout")?;
+        let script = match self.params.layout {
+            Layout::Conns => REGISTER_CONN,
+            _ => REGISTER,
+        };
+        let mut eval = redis::cmd("EVAL");
+        eval.arg(script)
+            .arg(3)
+            .arg(self.keys.server_fence(to))
+            .arg(self.keys.server_refusals(to))
+            .arg(self.keys.server_users(to));
+        match self.params.layout {
+            Layout::Conns => {
+                let (connection, user) =
+                    keys::split_conn_member(member).ok_or("not a conns member")?;
+                eval.arg(user).arg(to.as_str()).arg(connection);
+            }
+            layout => {
+                eval.arg(member).arg(to.as_str()).arg(layout.as_str());
+            }
+        }
+        let mut c = self.conn.clone();
+        let outcome = |reply: redis::RedisResult<i64>| -> Result<Result<(), String>, String> {
+            match reply {
+                Ok(1) => Ok(Ok(())),
+                Ok(other) => Ok(Err(format!("unexpected reply {other}"))),
+                Err(e) if e.code() == Some("FENCED") => Ok(Err(format!("FENCED {e}"))),
+                Err(e) => Err(e.to_string()),
+            }
+        };
+        let fenced: bool = redis::cmd("EXISTS")
+            .arg(self.keys.server_fence(to))
+            .query_async(&mut c)
+            .await
+            .map_err(|e| e.to_string())?;
+        let field_arg: Vec<u8> = field.clone().unwrap_or_default();
+        let kind = if field.is_some() { "hash" } else { "keys" };
+        if fenced {
+            // Nothing written: the entry is read on its own, to judge it (only the
+            // janitor may have changed it meanwhile, and only by deleting it).
+            let refused = match outcome(eval.query_async(&mut c).await)? {
+                // The fence went away between the read and the script: the member is
+                // written without its forward entry, as `Registry::register` would. Not
+                // a registration the load can count on.
+                Ok(()) => {
+                    return Err(
+                        "register.lua took the member after the fence read found the fence: \
+                         no forward entry"
+                            .into(),
+                    )
+                }
+                refused => refused,
+            };
+            let mut read = match &field {
+                Some(_) => redis::cmd("HGET"),
+                None => redis::cmd("GET"),
+            };
+            read.arg(&key);
+            if let Some(f) = &field {
+                read.arg(f);
+            }
+            let prev: Option<String> = read.query_async(&mut c).await.map_err(|e| e.to_string())?;
+            return Ok(Told {
+                prev,
+                outcome: refused,
+                written: false,
+                released: None,
+            });
+        }
+        let prev: Option<String> = redis::cmd("EVAL")
+            .arg(WRITE_READING)
+            .arg(1)
+            .arg(&key)
+            .arg(&field_arg)
+            .arg(to.as_str())
+            .arg(kind)
+            .query_async(&mut c)
+            .await
+            .map_err(|e| e.to_string())?;
+        let told = match outcome(eval.query_async(&mut c).await) {
+            Ok(told) => told,
+            // The entry is written; the member may or may not be.
+            Err(e) => Err(format!("no answer from register.lua ({e})")),
+        };
+        let released = if told.as_ref().is_err_and(|e| e.starts_with("FENCED")) {
+            let deleted: redis::RedisResult<i64> = redis::cmd("EVAL")
+                .arg(RELEASE)
+                .arg(1)
+                .arg(&key)
+                .arg(&field_arg)
+                .arg(to.as_str())
+                .arg(kind)
+                .query_async(&mut c)
+                .await;
+            deleted.ok().map(|d| d == 1)
+        } else {
+            None
+        };
+        Ok(Told {
+            prev,
+            outcome: told,
+            written: true,
+            released,
+        })
     }
 
     async fn unregister(self: &Arc<Self>, m: usize, from: ServerId) {

@@ -12,6 +12,7 @@
 //! event to settle; then the registry is checked whole. A violation stops the run at
 //! once and prints the seed, the schedule up to it and the keys involved ([`report`]).
 
+mod cluster;
 mod fleet;
 mod observer;
 mod procs;
@@ -40,7 +41,7 @@ use fleet::{Fleet, Params};
 use observer::{Observer, NONCE};
 use procs::Janitors;
 use schedule::{Fault, RunShape, Schedule, Shape};
-use topology::{Group, Node, Topology};
+use topology::{Cluster, Group, Node, Topology};
 use verdicts::{invariant, Verdicts};
 
 /// What a run ended with.
@@ -111,6 +112,7 @@ pub async fn run(base: &Settings, options: &Options) -> anyhow::Result<Outcome> 
     let topology = Arc::new(match options.topology {
         TopologyName::Node => Topology::Node(Node::start().await?),
         TopologyName::Sentinel => Topology::Sentinel(Group::start().await?),
+        TopologyName::Cluster => Topology::Cluster(Cluster::start().await?),
     });
     let settings = run_settings(base, &topology);
     settings.validate()?;
@@ -138,8 +140,8 @@ pub async fn run(base: &Settings, options: &Options) -> anyhow::Result<Outcome> 
     };
     report::header(seed, options, &settings, &topology, &schedule);
 
-    // The janitor's own connections: to the one node, or to the primary the sentinels
-    // name, followed across failovers.
+    // The janitor's own connections: to the one node, to the primary the sentinels
+    // name, followed across failovers, or to the cluster, from its seeds.
     let target = conn::target_for(&settings)?;
     let conn = conn::shared_for(&target).await?;
     let verdicts = Arc::new(Verdicts::new(Instant::now()));
@@ -204,8 +206,10 @@ pub async fn run(base: &Settings, options: &Options) -> anyhow::Result<Outcome> 
     let sentinels = tokio::spawn({
         let (topology, verdicts, stop) = (topology.clone(), verdicts.clone(), watching.clone());
         async move {
-            if let Topology::Sentinel(group) = &*topology {
-                group.watch(verdicts, stop).await;
+            match &*topology {
+                Topology::Sentinel(group) => group.watch(verdicts, stop).await,
+                Topology::Cluster(cluster) => cluster.watch(verdicts, stop).await,
+                Topology::Node(_) => {}
             }
         }
     });
@@ -370,6 +374,7 @@ async fn apply(ctx: &Ctx, index: usize, fault: Fault) -> String {
             if !lock(&ctx.janitors).kill(i) {
                 return "skipped: no process".into();
             }
+            lock(&ctx.fleet.worker_kills).push(Instant::now());
             tokio::time::sleep(back_after).await;
             match lock(&ctx.janitors).respawn(i) {
                 Ok(()) => format!("killed pid {}, a new one started", pid.unwrap_or(0)),
@@ -401,18 +406,40 @@ async fn apply(ctx: &Ctx, index: usize, fault: Fault) -> String {
             Ok(note) => note,
             Err(e) => format!("the failover failed: {e}"),
         },
-        Fault::Busy { busy } => match ctx.topology.busy(busy).await {
-            Ok(()) => "ran".into(),
+        Fault::ClusterFailover { master, down } => {
+            match ctx.topology.cluster_failover(master, Some(down)).await {
+                Ok(note) => note,
+                Err(e) => format!("the failover failed: {e}"),
+            }
+        }
+        Fault::ClusterManualFailover { master } => {
+            match ctx.topology.cluster_failover(master, None).await {
+                Ok(note) => note,
+                Err(e) => format!("the failover failed: {e}"),
+            }
+        }
+        Fault::Busy { busy, master } => match ctx.topology.busy(busy, master).await {
+            Ok(node) if master.is_some() => format!("ran on {node}"),
+            Ok(_) => "ran".into(),
             Err(e) => format!("the script failed: {e}"),
         },
-        Fault::OomSqueeze { squeeze, hard } => {
-            let limit = match ctx.topology.squeeze(hard).await {
-                Ok(limit) => limit,
+        Fault::OomSqueeze {
+            squeeze,
+            hard,
+            master,
+        } => {
+            let (limit, node) = match ctx.topology.squeeze(hard, master).await {
+                Ok(set) => set,
                 Err(e) => return format!("skipped: {e}"),
             };
             tokio::time::sleep(squeeze).await;
             release_memory(ctx).await;
-            format!("maxmemory {limit} for {:.1}s", squeeze.as_secs_f64())
+            let on = if master.is_some() {
+                format!(" on {node}")
+            } else {
+                String::new()
+            };
+            format!("maxmemory {limit}{on} for {:.1}s", squeeze.as_secs_f64())
         }
         Fault::Zombie { slot } => match ctx.fleet.zombie(slot) {
             Some(z) => format!("{z} hangs"),
@@ -637,7 +664,7 @@ async fn final_checks(ctx: &Ctx, verdicts: &Verdicts) {
     if verdicts.failed() {
         return;
     }
-    let entries = match scan_entries(ctx).await {
+    let mut entries = match scan_entries(ctx).await {
         Ok(entries) => entries,
         Err(e) => {
             verdicts.violation(
@@ -648,6 +675,31 @@ async fn final_checks(ctx: &Ctx, verdicts: &Verdicts) {
             return;
         }
     };
+    if ctx.fleet.cluster {
+        // On a cluster an entry may name a cleaned server until the drift sweep's next
+        // pass: scanned again for up to `SWEPT_WITHIN` while one does.
+        let began = Instant::now();
+        while began.elapsed() < observer::SWEPT_WITHIN
+            && entries
+                .iter()
+                .any(|(_, owner)| ServerId::parse(owner).is_ok_and(|o| observer.acked.contains(&o)))
+        {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            match scan_entries(ctx).await {
+                Ok(again) => entries = again,
+                Err(e) => {
+                    verdicts.violation(
+                        invariant::ACKED_CLEAN,
+                        format!("the final scan failed: {e}"),
+                        vec![],
+                    );
+                    return;
+                }
+            }
+        }
+    }
+    let announced_inv = observer.announced_invariant();
+    let kills = lock(&ctx.fleet.worker_kills).clone();
     let (stale, bad, announced_wrong) = {
         let t = ctx.fleet.truth();
         let acked_set: std::collections::HashSet<&ServerId> = observer.acked.iter().collect();
@@ -698,7 +750,7 @@ async fn final_checks(ctx: &Ctx, verdicts: &Verdicts) {
                 }
                 fleet::Owner::Known(Some(s)) if !t.is_live(s) => {
                     let n = observer.announced_count(s, &member.bytes);
-                    if n != 1 {
+                    if n != 1 && !(ctx.fleet.cluster && n > 1) {
                         announced_wrong.push(format!(
                             "{} of dead {s} deleted and announced {n} times; {}",
                             fleet::show(&member.bytes),
@@ -711,7 +763,14 @@ async fn final_checks(ctx: &Ctx, verdicts: &Verdicts) {
         }
         for e in &t.expected {
             let n = observer.announced_count(&e.server, &t.members[e.member].bytes);
-            if n != 1 {
+            // On a cluster: at least once, unless a worker was killed between the
+            // server's death and the find (see the observer).
+            let fine = if ctx.fleet.cluster {
+                n >= 1 || observer::killed_between(&t, &kills, &e.server, e.at)
+            } else {
+                n == 1
+            };
+            if !fine {
                 announced_wrong.push(format!(
                     "{} of dead {} deleted and announced {n} times",
                     fleet::show(&t.members[e.member].bytes),
@@ -719,7 +778,7 @@ async fn final_checks(ctx: &Ctx, verdicts: &Verdicts) {
                 ));
             }
         }
-        verdicts.checked(invariant::ANNOUNCED_ONCE, t.expected.len() as u64);
+        verdicts.checked(announced_inv, t.expected.len() as u64);
         (stale, bad, announced_wrong)
     };
     if let Some(first) = stale.first() {
@@ -747,10 +806,15 @@ async fn final_checks(ctx: &Ctx, verdicts: &Verdicts) {
     }
     if let Some(first) = announced_wrong.first() {
         verdicts.violation(
-            invariant::ANNOUNCED_ONCE,
+            announced_inv,
             format!(
-                "{} deletions not announced exactly once: {first}",
-                announced_wrong.len()
+                "{} deletions not announced {}: {first}",
+                announced_wrong.len(),
+                if ctx.fleet.cluster {
+                    "at least once"
+                } else {
+                    "exactly once"
+                }
             ),
             announced_wrong.iter().skip(1).take(10).cloned().collect(),
         );
@@ -764,12 +828,11 @@ async fn final_checks(ctx: &Ctx, verdicts: &Verdicts) {
             ctx.keys.server_walking(server),
             ctx.keys.server_cleanup(server),
         ];
-        let mut pipe = redis::pipe();
-        for k in &keys {
-            pipe.exists(k);
-        }
-        let exist: Vec<bool> = pipe
-            .query_async(&mut ctx.conn.clone())
+        let exists = keys
+            .iter()
+            .map(|k| redis::cmd("EXISTS").arg(k).to_owned())
+            .collect();
+        let exist: Vec<bool> = conn::each_in_flight(&ctx.conn, exists)
             .await
             .unwrap_or_default();
         for (k, e) in keys.iter().zip(exist) {
@@ -820,16 +883,17 @@ async fn scan_entries(ctx: &Ctx) -> Result<Vec<(Vec<u8>, String)>> {
                 Layout::Conns => ctx.keys.user_conns_pattern(),
                 _ => registry_janitor::keys::pattern_under(&ctx.keys.user_key_prefix()),
             };
-            let mut cursor = 0u64;
-            loop {
-                let (next, found): (u64, Vec<Vec<u8>>) = redis::cmd("SCAN")
-                    .arg(cursor)
-                    .arg("MATCH")
-                    .arg(&pattern)
-                    .arg("COUNT")
-                    .arg(1000)
-                    .query_async(&mut c)
-                    .await?;
+            // SCAN is per node: on a cluster, every master's keys.
+            let mut found = Vec::new();
+            if ctx.fleet.cluster {
+                for (host, port) in conn::cluster_masters(&ctx.conn).await? {
+                    let node = conn::shared(&conn::client(&format!("redis://{host}:{port}"))?)?;
+                    scan_all(&node, &pattern, &mut found).await?;
+                }
+            } else {
+                scan_all(&ctx.conn, &pattern, &mut found).await?;
+            }
+            {
                 for key in found {
                     if layout == Layout::Conns {
                         let fields: Vec<(Vec<u8>, String)> =
@@ -850,14 +914,23 @@ async fn scan_entries(ctx: &Ctx) -> Result<Vec<(Vec<u8>, String)>> {
                         out.extend(owner.map(|o| (user, o)));
                     }
                 }
-                if next == 0 {
-                    break;
-                }
-                cursor = next;
             }
         }
     }
     Ok(out)
+}
+
+/// Every key matching `pattern` on the node of `conn`.
+async fn scan_all(conn: &RedisConn, pattern: &str, out: &mut Vec<Vec<u8>>) -> Result<()> {
+    let mut cursor = 0u64;
+    loop {
+        let (next, found) = conn::scan_page(conn, cursor, pattern, 1000, None).await?;
+        out.extend(found);
+        if next == 0 {
+            return Ok(());
+        }
+        cursor = next;
+    }
 }
 
 /// A line every 15 s on stderr: where the run is.

@@ -65,6 +65,18 @@ pub fn janitor_env(s: &Settings) -> Vec<(String, String)> {
             s.redis_sentinel_master.clone().unwrap_or_default(),
         ));
     }
+    if s.redis_cluster {
+        let urls: Vec<String> = s
+            .redis_cluster_seeds
+            .iter()
+            .map(|u| format!("{u:?}"))
+            .collect();
+        env.push(("JANITOR_REDIS_CLUSTER", "true".to_owned()));
+        env.push((
+            "JANITOR_REDIS_CLUSTER_SEEDS",
+            format!("[{}]", urls.join(",")),
+        ));
+    }
     env.into_iter().map(|(k, v)| (k.to_owned(), v)).collect()
 }
 

@@ -192,6 +192,16 @@ pub fn summary(i: &Inputs<'_>) {
         s.found_deleted.load(Relaxed),
         s.found_kept.load(Relaxed)
     );
+    if i.fleet.cluster {
+        println!(
+            "  cluster     {} deletions found unannounced after a worker was SIGKILLed (the \
+             documented gap); {} entries named an acknowledged server until a later pass \
+             deleted them (longest {:.1}s)",
+            i.observer.unannounced_after_kill,
+            i.observer.swept_late,
+            i.observer.swept_late_max.as_secs_f64()
+        );
+    }
     drop(t);
     println!(
         "  observer    {} rounds ({} skipped while Redis was away)",

@@ -26,6 +26,8 @@ pub enum Kind {
     DeadAgain,
     Malformed,
     SentinelFailover,
+    ClusterFailover,
+    ClusterManualFailover,
 }
 
 impl Kind {
@@ -63,6 +65,27 @@ impl Kind {
         Kind::Malformed,
     ];
 
+    /// Every kind a Redis Cluster takes: a failover of a master once its replica holds
+    /// every write it acknowledged (SIGKILL, or `CLUSTER FAILOVER` from its replica)
+    /// instead of a restart; a BUSY script and a memory squeeze hit one master. A master
+    /// restarted without a failover would come back with its slots and no replica in
+    /// sync: the restart is left to the failover, which brings the old master back as a
+    /// replica.
+    pub const CLUSTER: [Kind; 12] = [
+        Kind::WorkerKill,
+        Kind::WorkerPause,
+        Kind::ClusterFailover,
+        Kind::ClusterManualFailover,
+        Kind::Busy,
+        Kind::OomSqueeze,
+        Kind::Zombie,
+        Kind::ServerCrash,
+        Kind::ZoneOutage,
+        Kind::DeadUnknown,
+        Kind::DeadAgain,
+        Kind::Malformed,
+    ];
+
     pub fn name(self) -> &'static str {
         match self {
             Kind::WorkerKill => "worker-kill",
@@ -77,13 +100,15 @@ impl Kind {
             Kind::DeadAgain => "dead-again",
             Kind::Malformed => "malformed-entries",
             Kind::SentinelFailover => "sentinel-failover",
+            Kind::ClusterFailover => "cluster-failover",
+            Kind::ClusterManualFailover => "cluster-manual-failover",
         }
     }
 
     fn weight(self) -> u32 {
         match self {
             Kind::WorkerKill | Kind::ServerCrash => 3,
-            Kind::WorkerPause | Kind::SentinelFailover => 2,
+            Kind::WorkerPause | Kind::SentinelFailover | Kind::ClusterFailover => 2,
             _ => 1,
         }
     }
@@ -92,7 +117,12 @@ impl Kind {
     fn on_redis(self) -> bool {
         matches!(
             self,
-            Kind::RedisRestart | Kind::Busy | Kind::OomSqueeze | Kind::SentinelFailover
+            Kind::RedisRestart
+                | Kind::Busy
+                | Kind::OomSqueeze
+                | Kind::SentinelFailover
+                | Kind::ClusterFailover
+                | Kind::ClusterManualFailover
         )
     }
 }
@@ -147,10 +177,16 @@ pub enum Fault {
     /// SIGKILL redis-server, start it again after `down` with its append-only file.
     RedisRestart { down: Duration },
     /// A Lua busy loop from another client for `busy`: every other command gets BUSY.
-    Busy { busy: Duration },
+    /// On a cluster, on one master: the `master`-th (modulo) of the masters then, in the
+    /// order of the nodes.
+    Busy { busy: Duration, master: Option<u32> },
     /// `maxmemory` below what Redis uses (`hard`) or just above it, for `squeeze`; then
-    /// back to no limit.
-    OomSqueeze { squeeze: Duration, hard: bool },
+    /// back to no limit. On a cluster, on one master, as for `Busy`.
+    OomSqueeze {
+        squeeze: Duration,
+        hard: bool,
+        master: Option<u32>,
+    },
     /// The server of `slot` stops heartbeating and writing (a hung process); once its
     /// fence stands it wakes up, must be refused (FENCED), and starts again under a new
     /// id.
@@ -180,6 +216,15 @@ pub enum Fault {
     /// old primary starts again `down` after the kill (not before the promotion), as a
     /// replica of the new one.
     SentinelFailover { down: Duration },
+    /// A cluster master (the `master`-th, modulo, of the masters then) is SIGKILLed once
+    /// its replica holds every write it acknowledged (its clients paused meanwhile); the
+    /// replica is promoted; the old master starts again `down` after the kill (not before
+    /// the promotion) and joins as a replica of the new one.
+    ClusterFailover { master: u32, down: Duration },
+    /// `CLUSTER FAILOVER` on the replica of a master: the master stops its clients, the
+    /// replica catches up and takes over, the old master becomes its replica. Nothing is
+    /// killed.
+    ClusterManualFailover { master: u32 },
 }
 
 impl Fault {
@@ -197,6 +242,8 @@ impl Fault {
             Fault::DeadAgain { .. } => Kind::DeadAgain,
             Fault::Malformed { .. } => Kind::Malformed,
             Fault::SentinelFailover { .. } => Kind::SentinelFailover,
+            Fault::ClusterFailover { .. } => Kind::ClusterFailover,
+            Fault::ClusterManualFailover { .. } => Kind::ClusterManualFailover,
         }
     }
 }
@@ -220,12 +267,19 @@ impl fmt::Display for Fault {
                 write!(f, "{name} worker-{worker} for {}", secs(*pause))
             }
             Fault::RedisRestart { down } => write!(f, "{name}, down {}", secs(*down)),
-            Fault::Busy { busy } => write!(f, "{name} for {}", secs(*busy)),
-            Fault::OomSqueeze { squeeze, hard } => write!(
+            Fault::Busy { busy, master } => {
+                write!(f, "{name} for {}{}", secs(*busy), on_master(*master))
+            }
+            Fault::OomSqueeze {
+                squeeze,
+                hard,
+                master,
+            } => write!(
                 f,
-                "{name} for {} ({})",
+                "{name} for {} ({}){}",
                 secs(*squeeze),
-                if *hard { "below use" } else { "at the edge" }
+                if *hard { "below use" } else { "at the edge" },
+                on_master(*master)
             ),
             Fault::Zombie { slot } => write!(f, "{name} slot {slot}"),
             Fault::ServerCrash {
@@ -260,6 +314,12 @@ impl fmt::Display for Fault {
             Fault::SentinelFailover { down } => {
                 write!(f, "{name}, the old primary back after {}", secs(*down))
             }
+            Fault::ClusterFailover { master, down } => write!(
+                f,
+                "{name} of master #{master}, the old master back after {}",
+                secs(*down)
+            ),
+            Fault::ClusterManualFailover { master } => write!(f, "{name} of master #{master}"),
             Fault::DeadAgain { pick } => write!(f, "{name} (pick {pick})"),
             Fault::Malformed { shapes } => {
                 let names: Vec<&str> = shapes.iter().map(|s| s.name()).collect();
@@ -267,6 +327,11 @@ impl fmt::Display for Fault {
             }
         }
     }
+}
+
+/// ` on master #N` on a cluster.
+fn on_master(master: Option<u32>) -> String {
+    master.map_or_else(String::new, |m| format!(" on master #{m}"))
 }
 
 /// One fault and its offset from the start of the run.
@@ -313,6 +378,9 @@ impl Schedule {
         let mut worker_free = vec![Duration::ZERO; shape.workers];
         let mut slot_free = vec![Duration::ZERO; shape.slots];
         let zone_of = |slot: usize| slot % shape.zones.max(1);
+        // On a cluster a fault on Redis picks its master; elsewhere nothing more is drawn
+        // (the schedules of the other topologies stay what their seeds drew).
+        let cluster = shape.kinds.contains(&Kind::ClusterFailover);
         let mut faults = Vec::new();
         let mut t = WARM_UP;
         while t < shape.duration {
@@ -360,15 +428,36 @@ impl Schedule {
                     Some(Fault::RedisRestart { down })
                 }
                 Kind::Busy => {
-                    let busy = ms(&mut rng, 500, 4500);
+                    // On a cluster at most 3 s: a master that answers nothing for the
+                    // cluster's node timeout (5 s) may be failed over by the cluster.
+                    let busy = ms(&mut rng, 500, if cluster { 3000 } else { 4500 });
                     redis_free = t + busy + Duration::from_secs(3);
-                    Some(Fault::Busy { busy })
+                    let master = cluster.then(|| rng.random_range(0..1000));
+                    Some(Fault::Busy { busy, master })
                 }
                 Kind::OomSqueeze => {
                     let squeeze = ms(&mut rng, 1000, 6000);
                     let hard = rng.random_bool(0.5);
                     redis_free = t + squeeze + Duration::from_secs(3);
-                    Some(Fault::OomSqueeze { squeeze, hard })
+                    let master = cluster.then(|| rng.random_range(0..1000));
+                    Some(Fault::OomSqueeze {
+                        squeeze,
+                        hard,
+                        master,
+                    })
+                }
+                Kind::ClusterFailover => {
+                    let master = rng.random_range(0..1000);
+                    let down = ms(&mut rng, 4000, 10000);
+                    // The promotion takes the node timeout (5 s) and an election; the next
+                    // fault on Redis comes once the old master is back and in sync.
+                    redis_free = t + down + Duration::from_secs(12);
+                    Some(Fault::ClusterFailover { master, down })
+                }
+                Kind::ClusterManualFailover => {
+                    let master = rng.random_range(0..1000);
+                    redis_free = t + Duration::from_secs(8);
+                    Some(Fault::ClusterManualFailover { master })
                 }
                 Kind::Zombie | Kind::ServerCrash if free_slots.len() > MIN_LIVE_SLOTS => {
                     let slot = free_slots[rng.random_range(0..free_slots.len())];
@@ -530,6 +619,70 @@ mod tests {
         }
     }
 
+    /// The suite's cluster run (`crates/lab/tests/nemesis.rs`) uses seed 36: every kind
+    /// of fault of a cluster in 90 s, three failovers by SIGKILL and one manual.
+    #[test]
+    fn the_suites_cluster_seed_draws_every_kind_in_90_s() {
+        let s = Schedule::draw(
+            36,
+            &RunShape {
+                duration: Duration::from_secs(90),
+                kinds: Kind::CLUSTER.to_vec(),
+                ..shape()
+            },
+        );
+        let counts = s.counts();
+        for kind in Kind::CLUSTER {
+            assert!(counts.get(&kind).copied().unwrap_or(0) > 0, "no {kind:?}");
+        }
+        assert_eq!(counts.get(&Kind::ClusterFailover), Some(&3), "{counts:?}");
+    }
+
+    #[test]
+    fn a_cluster_schedule_fails_over_picks_masters_and_never_restarts_a_node() {
+        for seed in 0..50 {
+            let s = Schedule::draw(
+                seed,
+                &RunShape {
+                    kinds: Kind::CLUSTER.to_vec(),
+                    ..shape()
+                },
+            );
+            let counts = s.counts();
+            assert!(counts[&Kind::ClusterFailover] >= 5, "{seed}: {counts:?}");
+            assert!(
+                counts[&Kind::ClusterManualFailover] >= 1,
+                "{seed}: {counts:?}"
+            );
+            assert!(!counts.contains_key(&Kind::RedisRestart), "{seed}");
+            assert!(!counts.contains_key(&Kind::SentinelFailover), "{seed}");
+            let mut redis_until = Duration::ZERO;
+            for p in &s.faults {
+                let d = match &p.fault {
+                    Fault::ClusterFailover { down, .. } => *down + Duration::from_secs(12),
+                    Fault::ClusterManualFailover { .. } => Duration::from_secs(8),
+                    Fault::Busy { busy, master } => {
+                        assert!(master.is_some() && *busy <= Duration::from_secs(3));
+                        *busy
+                    }
+                    Fault::OomSqueeze {
+                        squeeze, master, ..
+                    } => {
+                        assert!(master.is_some());
+                        *squeeze
+                    }
+                    _ => continue,
+                };
+                assert!(
+                    p.at >= redis_until,
+                    "{seed}: Redis faults overlap at {:?}",
+                    p.at
+                );
+                redis_until = p.at + d;
+            }
+        }
+    }
+
     #[test]
     fn the_draw_keeps_the_schedule_coherent() {
         for seed in 0..50 {
@@ -546,7 +699,7 @@ mod tests {
             for p in &s.faults {
                 match &p.fault {
                     Fault::RedisRestart { down: d }
-                    | Fault::Busy { busy: d }
+                    | Fault::Busy { busy: d, .. }
                     | Fault::OomSqueeze { squeeze: d, .. } => {
                         assert!(
                             p.at >= redis_until,

@@ -13,7 +13,8 @@
 //!   invariant stays as strict as on one node. The old primary starts again as a replica
 //!   of the new one, so that it never takes a write with its old data.
 //!
-//! A cluster slots in as another variant of [`Topology`], with its own faults.
+//! - [`Cluster`]: a private Redis Cluster, three masters with a replica each; its
+//!   failovers lose no write a master acknowledged either (see [`super::cluster`]).
 
 use std::{
     sync::{Arc, Mutex},
@@ -28,12 +29,14 @@ use registry_janitor_testkit::{RedisSentinels, RedisServer, MASTER_NAME};
 
 use tokio_util::sync::CancellationToken;
 
+pub use super::cluster::Cluster;
 use super::{schedule::Kind, verdicts::Verdicts};
 
 /// The Redis of a run.
 pub enum Topology {
     Node(Node),
     Sentinel(Group),
+    Cluster(Cluster),
 }
 
 impl Topology {
@@ -42,6 +45,7 @@ impl Topology {
         match self {
             Topology::Node(_) => Kind::NODE.to_vec(),
             Topology::Sentinel(_) => Kind::SENTINEL.to_vec(),
+            Topology::Cluster(_) => Kind::CLUSTER.to_vec(),
         }
     }
 
@@ -63,6 +67,14 @@ impl Topology {
                 settings.redis_cluster_seeds.clear();
                 settings.redis_sentinels = group.sentinel_urls.clone();
                 settings.redis_sentinel_master = Some(MASTER_NAME.into());
+            }
+            Topology::Cluster(cluster) => {
+                let seeds = cluster.seeds();
+                settings.redis_url = seeds[0].clone();
+                settings.redis_cluster = true;
+                settings.redis_cluster_seeds = seeds[1..].to_vec();
+                settings.redis_sentinels.clear();
+                settings.redis_sentinel_master = None;
             }
         }
     }
@@ -88,6 +100,7 @@ impl Topology {
                     DOWN_AFTER.as_secs()
                 )
             }
+            Topology::Cluster(cluster) => cluster.describe(),
         }
     }
 
@@ -108,6 +121,7 @@ impl Topology {
                 out.push_str(&g.logs());
                 out
             }
+            Topology::Cluster(cluster) => cluster.log(),
         }
     }
 
@@ -116,6 +130,7 @@ impl Topology {
     pub fn summary(&self) -> Option<String> {
         match self {
             Topology::Node(_) => None,
+            Topology::Cluster(cluster) => Some(cluster.summary()),
             Topology::Sentinel(group) => {
                 let f = lock(&group.failovers);
                 if f.promoted.is_empty() && f.given_up == 0 && f.no_promotion == 0 {
@@ -140,18 +155,29 @@ impl Topology {
         }
     }
 
-    /// A plain connection to the node that takes writes, for the faults' own commands.
-    async fn admin(&self) -> Result<redis::Client> {
-        match self {
-            Topology::Node(node) => Ok(redis::Client::open(node.url.as_str())?),
+    /// A plain connection to the node that takes writes, for the faults' own commands
+    /// (on a cluster, to the `master`-th master: see [`Cluster::pick_master`]); and its
+    /// name, for the schedule's notes.
+    async fn admin(&self, master: Option<u32>) -> Result<(redis::Client, String)> {
+        if let Topology::Cluster(cluster) = self {
+            let i = cluster
+                .pick_master(master.unwrap_or(0))
+                .await
+                .ok_or_else(|| Error::LocalRedis("no master answers now".into()))?;
+            return Ok((cluster.client(i)?, format!("node-{i}")));
+        }
+        let client = match self {
+            Topology::Node(node) => redis::Client::open(node.url.as_str())?,
             Topology::Sentinel(group) => {
                 let i = group
                     .primary()
                     .await
                     .ok_or_else(|| Error::LocalRedis("the sentinels name no primary now".into()))?;
-                Ok(redis::Client::open(group.node_url(i))?)
+                redis::Client::open(group.node_url(i))?
             }
-        }
+            Topology::Cluster(_) => unreachable!("handled above"),
+        };
+        Ok((client, "redis".into()))
     }
 
     /// SIGKILL.
@@ -162,7 +188,7 @@ impl Topology {
                 tokio::task::spawn_blocking(move || lock(&server).kill()).await?;
                 Ok(())
             }
-            Topology::Sentinel(_) => Err(no_such_fault("redis-restart")),
+            Topology::Sentinel(_) | Topology::Cluster(_) => Err(no_such_fault("redis-restart")),
         }
     }
 
@@ -175,7 +201,7 @@ impl Topology {
                     .await?
                     .map_err(|e| Error::LocalRedis(format!("restarting redis-server: {e}")))
             }
-            Topology::Sentinel(_) => Err(no_such_fault("redis-restart")),
+            Topology::Sentinel(_) | Topology::Cluster(_) => Err(no_such_fault("redis-restart")),
         }
     }
 
@@ -183,16 +209,29 @@ impl Topology {
     /// happened.
     pub async fn failover(&self, down: Duration) -> Result<String> {
         match self {
-            Topology::Node(_) => Err(no_such_fault("sentinel-failover")),
             Topology::Sentinel(group) => group.failover(down).await,
+            _ => Err(no_such_fault("sentinel-failover")),
+        }
+    }
+
+    /// A cluster failover of the `master`-th master that loses no acknowledged write: by
+    /// SIGKILL, the old master back after `down` ([`Cluster::failover`]), or with `down`
+    /// None by `CLUSTER FAILOVER` on its replica ([`Cluster::manual_failover`]). Says
+    /// what happened.
+    pub async fn cluster_failover(&self, master: u32, down: Option<Duration>) -> Result<String> {
+        match (self, down) {
+            (Topology::Cluster(cluster), Some(down)) => cluster.failover(master, down).await,
+            (Topology::Cluster(cluster), None) => cluster.manual_failover(master).await,
+            _ => Err(no_such_fault("cluster-failover")),
         }
     }
 
     /// Runs a read-only Lua busy loop for `busy`, from a client of its own: once it has
     /// run for `busy-reply-threshold`, every other command gets BUSY until it returns.
-    pub async fn busy(&self, busy: Duration) -> Result<()> {
-        let client = self.admin().await?;
-        tokio::task::spawn_blocking(move || -> Result<()> {
+    /// Says where it ran.
+    pub async fn busy(&self, busy: Duration, master: Option<u32>) -> Result<String> {
+        let (client, name) = self.admin(master).await?;
+        tokio::task::spawn_blocking(move || -> Result<String> {
             let mut c = client.get_connection_with_timeout(Duration::from_secs(2))?;
             c.set_read_timeout(Some(busy + Duration::from_secs(30)))?;
             let _: i64 = redis::cmd("EVAL")
@@ -200,19 +239,16 @@ impl Topology {
                 .arg(0)
                 .arg(busy.as_millis() as u64)
                 .query(&mut c)?;
-            Ok(())
+            Ok(name)
         })
         .await?
     }
 
     /// Sets `maxmemory` below what Redis uses (`hard`: half of it) or just above it (64
-    /// KiB of room): writes that need memory get OOM. Returns the limit set.
-    pub async fn squeeze(&self, hard: bool) -> Result<u64> {
-        let mut c = self
-            .admin()
-            .await?
-            .get_multiplexed_async_connection()
-            .await?;
+    /// KiB of room): writes that need memory get OOM. Returns the limit set, and where.
+    pub async fn squeeze(&self, hard: bool, master: Option<u32>) -> Result<(u64, String)> {
+        let (client, name) = self.admin(master).await?;
+        let mut c = client.get_multiplexed_async_connection().await?;
         let info: String = redis::cmd("INFO").arg("memory").query_async(&mut c).await?;
         let used: u64 = info
             .lines()
@@ -230,22 +266,25 @@ impl Topology {
             .arg(limit)
             .query_async(&mut c)
             .await?;
-        Ok(limit)
+        Ok((limit, name))
     }
 
     /// No memory limit again (on every node of a Sentinel group: a limit must not
     /// outlive a change of primary; a node that is down comes back with none).
     pub async fn release(&self) -> Result<()> {
+        if let Topology::Cluster(cluster) = self {
+            return cluster.release().await;
+        }
         if let Topology::Sentinel(group) = self {
             for &port in &group.node_ports {
                 let _ = no_limit(redis::Client::open(url(port))?).await;
             }
         }
-        no_limit(self.admin().await?).await
+        no_limit(self.admin(None).await?.0).await
     }
 }
 
-async fn no_limit(client: redis::Client) -> Result<()> {
+pub(super) async fn no_limit(client: redis::Client) -> Result<()> {
     let mut c = client.get_multiplexed_async_connection().await?;
     let _: () = redis::cmd("CONFIG")
         .arg("SET")
@@ -260,7 +299,7 @@ fn no_such_fault(name: &str) -> Error {
     Error::LocalRedis(format!("this topology takes no {name}"))
 }
 
-fn url(port: u16) -> String {
+pub(super) fn url(port: u16) -> String {
     format!("redis://127.0.0.1:{port}")
 }
 
@@ -312,7 +351,7 @@ impl Node {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -333,18 +372,18 @@ pub struct Group {
 /// Every failover the sentinels make moves the master's `config-epoch`; one of the
 /// nemesis's failovers moves it once.
 #[derive(Default)]
-struct Epochs {
+pub(super) struct Epochs {
     /// The last `config-epoch` seen.
-    seen: u64,
+    pub(super) seen: u64,
     /// While a failover of the nemesis is under way: whether the change it makes was
     /// seen already.
-    ours: Option<bool>,
+    pub(super) ours: Option<bool>,
 }
 
 impl Epochs {
     /// `epoch` was read now; true if it is a change that no failover of the nemesis
     /// explains.
-    fn saw(&mut self, epoch: u64) -> bool {
+    pub(super) fn saw(&mut self, epoch: u64) -> bool {
         if epoch == self.seen {
             return false;
         }
@@ -375,7 +414,7 @@ struct Failovers {
     no_promotion: usize,
 }
 
-fn span(d: &[Duration]) -> String {
+pub(super) fn span(d: &[Duration]) -> String {
     let min = d.iter().min().copied().unwrap_or_default();
     let max = d.iter().max().copied().unwrap_or_default();
     format!("{:.2}-{:.2}s", min.as_secs_f64(), max.as_secs_f64())
@@ -657,7 +696,7 @@ impl Group {
 }
 
 /// A connection for the faults' own commands: 2 s to connect, 10 s for a reply.
-async fn connect(url: &str) -> Result<redis::aio::MultiplexedConnection> {
+pub(super) async fn connect(url: &str) -> Result<redis::aio::MultiplexedConnection> {
     let config = redis::AsyncConnectionConfig::new()
         .set_connection_timeout(Some(Duration::from_secs(2)))
         .set_response_timeout(Some(Duration::from_secs(10)));
@@ -667,7 +706,7 @@ async fn connect(url: &str) -> Result<redis::aio::MultiplexedConnection> {
 }
 
 /// `INFO <section>` of the node at `url`, or None if it does not answer.
-async fn info(url: &str, section: &str) -> Option<String> {
+pub(super) async fn info(url: &str, section: &str) -> Option<String> {
     let mut c = connect(url).await.ok()?;
     redis::cmd("INFO")
         .arg(section)
@@ -677,7 +716,7 @@ async fn info(url: &str, section: &str) -> Option<String> {
 }
 
 /// The value of `name` in an INFO text.
-fn field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
+pub(super) fn field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
     info.lines().find_map(|l| {
         l.strip_prefix(name)
             .and_then(|rest| rest.strip_prefix(':'))

@@ -19,6 +19,10 @@ pub mod invariant {
     pub const EVENTS_SETTLED: &str = "events settled";
     /// Each deleted entry is announced exactly once, and no other.
     pub const ANNOUNCED_ONCE: &str = "evictions exactly once";
+    /// On a cluster: each deleted entry is announced at least once (unless a worker was
+    /// killed between its delete and its announcement), and no entry that was never on
+    /// that dead server.
+    pub const ANNOUNCED_AT_LEAST_ONCE: &str = "evictions at least once";
     /// No janitor process exits by itself.
     pub const PROCESSES_UP: &str = "processes stay up";
     /// Worker (and reconciler) memory stays within its bound.
