@@ -1429,12 +1429,24 @@ async fn a_live_reshard_during_the_cleanup(layout: Layout) {
 /// MOVED. The walk still ends, and the event is acknowledged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_walk_ends_after_a_reshard_moved_a_masters_first_slot() {
+    a_walk_ends_after_a_reshard("first-slot:").await;
+}
+
+/// The same with a key prefix that has a hash tag of its own: every key of the janitor's
+/// is in the prefix's slot, none in the slot that moved, and the connection is built
+/// again with a fresh slot map instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_walk_ends_after_a_reshard_moved_a_masters_first_slot_tagged_prefix() {
+    a_walk_ends_after_a_reshard("first-slot{app}:").await;
+}
+
+async fn a_walk_ends_after_a_reshard(prefix: &str) {
     let Some(mut f) = ClusterFixture::start(3, 0, Layout::Keys, 200).await else {
         return;
     };
     // Slot 0 moves; no key the worker touches may be in it, or the worker would learn of
     // the move by a redirect: a prefix of its own, so that the keys are always the same.
-    f.settings.key_prefix = "first-slot:".into();
+    f.settings.key_prefix = prefix.into();
     f.keys = Keys::for_settings(&f.settings);
     f.registry = Registry::new(f.keys.clone(), Layout::Keys);
     let (a, b, live) = (server("gw-a#1"), server("gw-b#1"), server("gw-live#1"));

@@ -251,6 +251,9 @@ impl Cleaner {
         for part in futures_util::future::join_all(steps).await {
             checked.merge(part?);
         }
+        let execution_us = checked
+            .longest
+            .map_or(0, |(execution, _)| execution.as_micros() as u64);
         let (deleted, kept, rechecked) = (checked.deleted, checked.kept, checked.rechecked);
         let mut gone = checked.deleted_users;
         gone.extend(checked.absent_users);
@@ -288,7 +291,7 @@ impl Cleaner {
             kept,
             announced,
             announced_users: if announced > 0 { gone.len() as u64 } else { 0 },
-            execution_us: 0,
+            execution_us,
             rechecked,
         };
         Ok((step, advanced))
@@ -428,11 +431,16 @@ impl Cleaner {
         if let Some(permit) = permit.as_mut() {
             permit.sent();
         }
+        let failed_before = errors.get();
         let checked = retrying_counted("cleanup delete", stop, Some(errors), || {
             crate::forward::check_delete(conn, &self.keys, self.layout, server, members)
         })
         .await?;
-        if let (Some(permit), Some((execution, entries))) = (permit, checked.longest) {
+        // Measured only when one attempt did it all on the masters' scripts: retries,
+        // their pauses and the per-slot scripts of keys that moved are no queue in Redis
+        // (the permit is then given back unmeasured).
+        let clean = errors.get() == failed_before && checked.rechecked == 0;
+        if let (Some(permit), Some((execution, entries)), true) = (permit, checked.longest, clean) {
             permit.complete(execution, entries);
         }
         Ok(checked)

@@ -41,10 +41,10 @@
 //! with the fewest members left, shortest job first) or `round_robin` (in the order asked,
 //! which interleaves the cleanups).
 //!
-//! On a cluster the step is a chunk's check-and-delete (its scripts on the masters, in
-//! parallel); the longest script's execution time and entries stand for the step, and a
-//! chunk walks the step size times the masters its entries spread over, at most
-//! `chunk_size` (see `Cleaner::clean_on_cluster`).
+//! On a cluster a step is part of a chunk's check-and-delete (its scripts on the masters,
+//! in parallel), of the step size times the masters its entries spread over; the longest
+//! script's execution time and entries stand for the step, and a chunk sends up to
+//! `chunks_in_flight` steps at once, in the order asked (see `Cleaner::clean_on_cluster`).
 
 use std::{
     cmp::Reverse,

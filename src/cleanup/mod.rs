@@ -142,8 +142,8 @@ pub struct Step {
     pub announced: u64,
     /// Users in those entries.
     pub announced_users: u64,
-    /// Time the step's script ran inside Redis, in microseconds (single node; 0 on a
-    /// cluster).
+    /// Time the step's script ran inside Redis, in microseconds (on a cluster, the
+    /// longest of the chunk's check-and-delete scripts).
     pub execution_us: u64,
     /// Users that a master's check-and-delete script did not check (their slot moved or
     /// is moving, or the script failed), checked by the per-slot scripts instead

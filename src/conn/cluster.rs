@@ -253,20 +253,47 @@ fn refusal(reply: &redis::Value) -> Option<String> {
 /// slot: after a reshard moved a master's first slot, a walk's end would ask the wrong
 /// node forever. A read of a key in that slot (the liveness key of a server id chosen for
 /// its slot, which the worker's ACL covers) gets MOVED from the wrong node, and redis-rs
-/// follows it and reads the slot map again. Its outcome is not needed.
+/// follows it and reads the slot map again. Where no such key exists (a `key_prefix`
+/// with a hash tag of its own puts every key in one slot), the connection is built again
+/// with a fresh slot map instead. Its outcome is not needed.
 async fn learn_the_master_of(conn: &RedisConn, slot: u16, keys: &Keys) {
-    let Some(key) = (0u32..)
-        .filter_map(|n| ServerId::parse(&format!("slot-{n}")).ok())
-        .map(|server| keys.server_alive(&server))
-        .find(|key| key_slot(key.as_bytes()) == slot)
-    else {
-        return;
-    };
-    let _: redis::RedisResult<redis::Value> = redis::cmd("EXISTS")
-        .arg(key)
-        .query_async(&mut conn.clone())
-        .await;
+    match key_in_slot(slot, keys) {
+        Some(key) => {
+            let _: redis::RedisResult<redis::Value> = redis::cmd("EXISTS")
+                .arg(key)
+                .query_async(&mut conn.clone())
+                .await;
+        }
+        None => {
+            conn.rebuild_now(&format!(
+                "a node answered for the master of slot {slot} as another node, and no key of the janitor's is in that slot (a key_prefix with a hash tag)"
+            ))
+            .await
+        }
+    }
 }
+
+/// A liveness key of ours whose hash slot is `slot`, among the first [`KEY_TRIES`] server
+/// ids `slot-<n>` (about 16,384 tries on average). With a hash tag in the key prefix every
+/// key is in the prefix's slot: three ids in one slot show it (a chance of 1 in 16,384^2
+/// otherwise), and no other slot is searched.
+fn key_in_slot(slot: u16, keys: &Keys) -> Option<String> {
+    let candidates = (0..KEY_TRIES)
+        .filter_map(|n| ServerId::parse(&format!("slot-{n}")).ok())
+        .map(|server| keys.server_alive(&server));
+    let first: Vec<String> = candidates.clone().take(3).collect();
+    let slots: Vec<u16> = first.iter().map(|k| key_slot(k.as_bytes())).collect();
+    if slots.windows(2).all(|w| w[0] == w[1]) {
+        return first.into_iter().find(|k| key_slot(k.as_bytes()) == slot);
+    }
+    candidates
+        .into_iter()
+        .find(|key| key_slot(key.as_bytes()) == slot)
+}
+
+/// How many server ids [`key_in_slot`] tries: a slot is missed with a probability under
+/// e^-16.
+const KEY_TRIES: u32 = 1 << 18;
 
 /// How many replicas in INFO replication's `slaveN:...,state=online,offset=N,...` lines
 /// have acknowledged replication offset `target`.
@@ -552,6 +579,23 @@ r4 127.0.0.1:7006@17006 slave,nofailover a3 0 0 3 connected
         assert_eq!(replicas_at(info, 500), 1);
         assert_eq!(replicas_at(info, 501), 0);
         assert_eq!(replicas_at(info, 0), 1);
+    }
+
+    #[test]
+    fn a_key_of_ours_is_found_in_any_slot_unless_the_prefix_has_a_hash_tag() {
+        let plain = Keys::new("app:");
+        for slot in [0, 1, 5461, 10923, 16383] {
+            let key = key_in_slot(slot, &plain).expect("a key in every slot");
+            assert_eq!(key_slot(key.as_bytes()), slot);
+            assert!(key.starts_with("app:server:{slot-"), "{key}");
+        }
+        let tagged = Keys::new("app{7}:");
+        let own = key_slot(b"7");
+        assert_eq!(
+            key_in_slot(own, &tagged).map(|k| key_slot(k.as_bytes())),
+            Some(own)
+        );
+        assert_eq!(key_in_slot((own + 1) % 16384, &tagged), None);
     }
 
     #[test]

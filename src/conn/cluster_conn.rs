@@ -138,22 +138,29 @@ impl ClusterConn {
             }
         };
         if stalled_for >= self.rebuild_after {
-            self.rebuild(generation, stalled_for).await;
+            let why = format!(
+                "the cluster connection has had no answer for {}s",
+                stalled_for.as_secs()
+            );
+            self.rebuild(generation, &why).await;
         }
     }
 
-    async fn rebuild(&self, generation: u64, stalled_for: Duration) {
+    /// Builds the connection again now, with a fresh slot map, for `why` (unless another
+    /// task is building it already).
+    pub async fn rebuild_now(&self, why: &str) {
+        let generation = self.current().1;
+        self.rebuild(generation, why).await;
+    }
+
+    async fn rebuild(&self, generation: u64, why: &str) {
         let Ok(_building) = self.building.try_lock() else {
             return; // another task is building it
         };
         if locked(&self.state).generation != generation {
             return; // built while this task waited
         }
-        tracing::warn!(
-            stalled_s = stalled_for.as_secs(),
-            "the cluster connection has had no answer for {}s: building it again",
-            stalled_for.as_secs()
-        );
+        tracing::warn!("{why}: building it again");
         match self
             .client
             .get_async_connection_with_config(self.config.clone())

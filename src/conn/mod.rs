@@ -171,6 +171,14 @@ impl RedisConn {
         }
     }
 
+    /// On a cluster, builds the connection again now, with a fresh slot map, for `why`;
+    /// nothing elsewhere.
+    pub async fn rebuild_now(&self, why: &str) {
+        if let RedisConn::Cluster(c, _) = self {
+            c.rebuild_now(why).await;
+        }
+    }
+
     /// On a cluster, which master serves each slot: read with CLUSTER SLOTS when first
     /// asked for, or after [`RedisConn::forget_slot_owners`], and kept meanwhile. It
     /// may be out of date (a reshard, a failover), so it serves to group keys by node,

@@ -67,5 +67,6 @@ for first = 1, #names, BATCH do
   end
 end
 local ended = redis.call('TIME')
-local us = (ended[1] - started[1]) * 1000000 + (ended[2] - started[2])
+-- Never negative, should the clock be stepped back meanwhile.
+local us = math.max(0, (ended[1] - started[1]) * 1000000 + (ended[2] - started[2]))
 return {deleted, kept, deleted_at, absent_at, us}
