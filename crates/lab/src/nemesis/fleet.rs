@@ -52,8 +52,8 @@ static RELEASE: &str = include_str!("../../../../protocol/release.lua");
 
 /// On a cluster: the forward entry written (HSET of a field, or SET), the value it
 /// replaces returned, in one script of the entry's slot.
-/// KEYS[1] the forward key  ARGV[1] the field ('' for SET)  ARGV[2] the server
-/// ARGV[3] 'hash' (a field) or 'keys'
+/// `KEYS[1]` the forward key, `ARGV[1]` the field (`''` for SET), `ARGV[2]` the server,
+/// `ARGV[3]` `'hash'` (a field) or `'keys'`.
 const WRITE_READING: &str = r"
 local prev
 if ARGV[3] == 'hash' then
