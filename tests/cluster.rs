@@ -1059,6 +1059,73 @@ async fn a_refused_register_on_a_cluster_leaves_a_live_servers_entry() {
     }
 }
 
+/// A fence that expires between the registration's fence read and its script: the
+/// script takes the member, and the registration is made whole (its forward entry
+/// written, the script run again) rather than reported done without an entry. The fence
+/// is made to expire in between: its master holds writes (CLIENT PAUSE WRITE, reads go
+/// on) for longer than the fence's TTL, so the fence read sees it and the script runs
+/// once it is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fence_expiring_during_a_registration_leaves_a_whole_entry_on_a_cluster() {
+    for layout in [Layout::Keys, Layout::Conns] {
+        let Some(f) = ClusterFixture::start(3, 0, layout, 10).await else {
+            return;
+        };
+        let s = server("gw-back#1");
+        let fence = f.keys.server_fence(&s);
+        let node = f.cluster.master_of(fence.as_bytes()).expect("a master");
+        let mut c = f.conn.clone();
+        let _: () = redis::cmd("HSET")
+            .arg(&fence)
+            .arg("fenced_at_ms")
+            .arg(1)
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        let _: () = redis::cmd("PEXPIRE")
+            .arg(&fence)
+            .arg(300)
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        let mut on_node = redis::Client::open(f.cluster.nodes[node].url())
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        let _: () = redis::cmd("CLIENT")
+            .arg("PAUSE")
+            .arg(1500)
+            .arg("WRITE")
+            .query_async(&mut on_node)
+            .await
+            .unwrap();
+        let u = as_entry(layout, b"came-back-user");
+        f.registry.register(&f.conn, &u, &s).await.unwrap();
+        let fence_left: bool = redis::cmd("EXISTS")
+            .arg(&fence)
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        assert!(
+            !fence_left,
+            "{layout:?}: the fence expired during the registration"
+        );
+        assert_eq!(
+            f.registry.owner(&f.conn, &u).await.unwrap().as_deref(),
+            Some(s.as_str()),
+            "{layout:?}: the registration was reported done without its forward entry"
+        );
+        let member: bool = redis::cmd("SISMEMBER")
+            .arg(f.keys.server_users(&s))
+            .arg(&u)
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        assert!(member, "{layout:?}");
+    }
+}
+
 /// A key of another type where the evictions stream should be: on a cluster, where the
 /// deletes and the stream are in different slots, the cleanup is refused before any
 /// delete (an XADD failing after them would leave them unannounced). Once the key is

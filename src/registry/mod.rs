@@ -240,8 +240,10 @@ impl Registry {
             // the entry of a user registered on a live server, and the release after the
             // refusal would then delete it. The script alone refuses (and notes it).
             if crate::fence::is_fenced(conn, &self.keys, server).await? {
-                return unless_fenced(call.invoke_async::<i64>(&mut conn.clone()).await, server)
-                    .map(drop);
+                unless_fenced(call.invoke_async::<i64>(&mut conn.clone()).await, server)?;
+                // The script took the member: the fence expired since it was read. The
+                // forward entry is written now, before the script runs again (the order
+                // of the steps), and the script checks the fence once more.
             }
             let _: redis::Value = write.query_async(&mut conn.clone()).await?;
         } else {

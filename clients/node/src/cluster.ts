@@ -34,11 +34,22 @@ export async function registerSteps(
 ): Promise<RegisterOutcome> {
   const own = [keys.fenced(serverId), keys.refused(serverId), keys.users(serverId)];
   const fenced = (await conn.send(own[0], ['EXISTS', own[0]], timeoutMs)) === 1;
-  if (!fenced) {
+  if (fenced) {
+    // No forward entry: it could replace the entry of a user now on a live server. The
+    // script refuses and notes the refusal.
     stillWanted(attempt, timeoutMs);
-    onForwardWritten();
-    await conn.send(entry.key, entry.write, timeoutMs);
+    try {
+      await evalsha(conn, script, own, args, timeoutMs, false, attempt);
+    } catch (err) {
+      if (isFencedReply(err)) return { fenced: err };
+      throw err;
+    }
+    // It took the member: the fence expired since it was read. The steps go on, the
+    // forward entry first, then the script again.
   }
+  stillWanted(attempt, timeoutMs);
+  onForwardWritten();
+  await conn.send(entry.key, entry.write, timeoutMs);
   stillWanted(attempt, timeoutMs);
   try {
     await evalsha(conn, script, own, args, timeoutMs, false, attempt);

@@ -227,6 +227,30 @@ describe('Redis Cluster', () => {
         }
       });
 
+      test('a fence that expires between its read and the member step: the registration is made whole', async () => {
+        const { proxy, rec } = recording(client);
+        const keyPrefix = `x${RESP}:`;
+        const S = 'gw-back#1';
+        const F = `${keyPrefix}server:{${S}}:fenced`;
+        const s = new ConnectionServer(proxy, { serverId: S, keyPrefix, ttlMs: 120_000 });
+        await s.start();
+        await s.register('warm'); // the scripts loaded: one EVALSHA per step below
+        await client.hSet(F, 'fenced_at_ms', '1');
+        // The fence goes (as when its TTL runs out) right before the member step goes out.
+        rec.hook = async (words) => {
+          if (words[0] === 'EVALSHA') {
+            rec.hook = undefined;
+            await client.del(F);
+          }
+        };
+        rec.log = [];
+        await s.register('grace');
+        assert.deepEqual(rec.log, [`EXISTS ${F}`, 'EVALSHA register 3', `SET ${keyPrefix}user:grace`, 'EVALSHA register 3']);
+        assert.equal(await client.get(`${keyPrefix}user:grace`), S, 'registered without its forward entry');
+        assert.equal(await client.sIsMember(`${keyPrefix}server:{${S}}:users`, 'grace'), 1);
+        await s.close();
+      });
+
       test('a server already fenced writes no forward entry (a user moved to a live server keeps it)', async () => {
         const { proxy, rec } = recording(client);
         const keyPrefix = `z${RESP}:`;

@@ -214,6 +214,37 @@ class ClusterTests:
                 self.assertEqual(admin.hget(f"{prefix}server:{{{server_id}}}:refused", "register"), b"1")
                 client.close()
 
+    def test_a_fence_expired_between_its_read_and_the_member_step_registers_whole(self):
+        for layout in ("keys", "hash", "conns"):
+            with self.subTest(layout=layout):
+                prefix = f"expired{self.PROTOCOL}{layout}:"
+                admin = CLUSTER.client()
+                conn = "phone" if layout == "conns" else None
+                forward = {"keys": f"{prefix}user:alice", "hash": f"{prefix}registry", "conns": f"{prefix}user:{{alice}}:conns"}[layout]
+                field = {"keys": None, "hash": "alice", "conns": "phone"}[layout]
+
+                class FenceExpiresInBetween(RedisCluster):
+                    """The fence goes (as when its TTL runs out) right after EXISTS F saw it."""
+
+                    def execute_command(inner, *args, **options):
+                        reply = super().execute_command(*args, **options)
+                        if args[0] == "EXISTS" and reply and args[1] in (fence, fence.encode()):
+                            admin.delete(fence)
+                        return reply
+
+                client = FenceExpiresInBetween(host="127.0.0.1", port=CLUSTER.nodes[0].port, protocol=self.PROTOCOL)
+                s = self.server(layout, prefix, client=client)
+                server_id = s.server_id
+                fence = f"{prefix}server:{{{server_id}}}:fenced"
+                s.start()
+                harness.fence(admin, server_id, prefix)
+                s.register("alice", conn)
+                owner = admin.get(forward) if field is None else admin.hget(forward, field)
+                self.assertEqual(owner, server_id.encode(), "registered without its forward entry")
+                self.assertEqual(admin.sismember(f"{prefix}server:{{{server_id}}}:users", "phone alice" if conn else "alice"), 1)
+                s.close()
+                client.close()
+
     def test_an_already_fenced_server_writes_no_forward_entry(self):
         prefix = f"zombie{self.PROTOCOL}:"
         live, zombie = self.server("keys", prefix), self.server("keys", prefix)

@@ -10,8 +10,9 @@ entry and the server's keys are in different slots, so (docs/specification.md, "
 Redis Cluster: the order of the steps"):
 
 - register: EXISTS F; if fenced, the script with F, N, U only (it refuses) and no forward
-  entry; otherwise the forward entry, then the script with F, N, U only; on FENCED,
-  release.lua takes the forward entry back;
+  entry (should it accept, the fence having expired since, the steps go on); otherwise
+  the forward entry, then the script with F, N, U only; on FENCED, release.lua takes the
+  forward entry back;
 - heartbeat: heartbeat.lua with F, N, A only, then ZADD servers;
 - unregister: release.lua, then the script with F, N, U only;
 - route: the owner(s), then EXISTS fenced and EXISTS alive of each (one slot each).
@@ -292,7 +293,8 @@ class Protocol:
             # Fenced already: no forward entry (it could replace the entry of a user now on
             # a live server). The script refuses and notes the refusal.
             yield Script(e.script, e.member_keys, e.args)
-            return
+            # It took the member: the fence expired since it was read. The steps go on,
+            # the forward entry first, then the script again.
         yield e.write
         try:
             yield Script(e.script, e.member_keys, e.args)
