@@ -30,7 +30,10 @@ use registry_janitor_testkit::{RedisCluster, RedisServer};
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    topology::{connect, field, info, lock, span, url, Epochs},
+    topology::{
+        connect, field, info, lock, master_offset, pause_until_caught_up, replica_holds, span, url,
+        Epochs, CATCH_UP,
+    },
     verdicts::Verdicts,
 };
 
@@ -48,9 +51,6 @@ const MASTERS: usize = 3;
 const REPLICAS: usize = 1;
 /// `cluster-node-timeout`.
 pub const NODE_TIMEOUT: Duration = Duration::from_secs(5);
-/// How long a replica may take to catch up with its paused master before the failover
-/// is given up (and the master's clients resumed).
-const CATCH_UP: Duration = Duration::from_secs(15);
 /// How long the cluster may take to promote the replica.
 const FAILOVER: Duration = Duration::from_secs(60);
 /// How long the old master, back as a replica, may take to sync.
@@ -293,18 +293,9 @@ impl Cluster {
         replica: usize,
         conn: &redis::aio::MultiplexedConnection,
     ) -> Option<u64> {
-        let text: String = redis::cmd("INFO")
-            .arg("replication")
-            .query_async(&mut conn.clone())
-            .await
-            .ok()?;
-        let offset: u64 = field(&text, "master_repl_offset")?.parse().ok()?;
-        let r = info(&self.node_url(replica), "replication").await?;
-        let applied: u64 = field(&r, "slave_repl_offset")?.parse().ok()?;
-        let port = self.ports[master].to_string();
-        (field(&r, "master_port") == Some(port.as_str())
-            && field(&r, "master_link_status") == Some("up")
-            && applied >= offset)
+        let offset = master_offset(conn).await?;
+        replica_holds(&self.node_url(replica), self.ports[master], offset)
+            .await?
             .then_some(offset)
     }
 
@@ -344,43 +335,39 @@ impl Cluster {
         self.ours(self.failover_steps(pick, down)).await
     }
 
-    async fn failover_steps(&self, pick: u32, down: Duration) -> Result<String> {
-        let Some(old) = self.pick_master(pick).await else {
-            lock(&self.failovers).skipped += 1;
-            return Ok("skipped: no master answers".into());
+    /// The `pick`-th master and its replica now; else why the failover is skipped (and
+    /// counted so).
+    async fn master_and_replica(&self, pick: u32) -> std::result::Result<(usize, usize), String> {
+        let found = match self.pick_master(pick).await {
+            None => Err("skipped: no master answers".to_owned()),
+            Some(old) => match self.replica_of(old).await {
+                None => Err(format!(
+                    "skipped: node-{old} has no replica linked to it now"
+                )),
+                Some(replica) => Ok((old, replica)),
+            },
         };
-        let Some(replica) = self.replica_of(old).await else {
+        if found.is_err() {
             lock(&self.failovers).skipped += 1;
-            return Ok(format!(
-                "skipped: node-{old} has no replica linked to it now"
-            ));
+        }
+        found
+    }
+
+    async fn failover_steps(&self, pick: u32, down: Duration) -> Result<String> {
+        let (old, replica) = match self.master_and_replica(pick).await {
+            Ok(found) => found,
+            Err(skipped) => return Ok(skipped),
         };
         let master = connect(&self.node_url(old)).await?;
-        let _: () = redis::cmd("CLIENT")
-            .arg("PAUSE")
-            .arg((CATCH_UP + Duration::from_secs(5)).as_millis() as u64)
-            .arg("WRITE")
-            .query_async(&mut master.clone())
-            .await?;
-        let paused = Instant::now();
-        let offset = loop {
-            if let Some(offset) = self.caught_up(old, replica, &master).await {
-                break offset;
-            }
-            if paused.elapsed() > CATCH_UP {
-                let _: redis::RedisResult<()> = redis::cmd("CLIENT")
-                    .arg("UNPAUSE")
-                    .query_async(&mut master.clone())
-                    .await;
-                lock(&self.failovers).given_up += 1;
-                return Ok(format!(
-                    "skipped: node-{replica} did not catch up with node-{old} within {} s",
-                    CATCH_UP.as_secs()
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        let Some((offset, waited)) =
+            pause_until_caught_up(&master, || self.caught_up(old, replica, &master)).await?
+        else {
+            lock(&self.failovers).given_up += 1;
+            return Ok(format!(
+                "skipped: node-{replica} did not catch up with node-{old} within {} s",
+                CATCH_UP.as_secs()
+            ));
         };
-        let waited = paused.elapsed();
         let cluster = self.cluster.clone();
         tokio::task::spawn_blocking(move || lock(&cluster).nodes[old].kill()).await?;
         let killed = Instant::now();
@@ -474,15 +461,9 @@ impl Cluster {
     }
 
     async fn manual_steps(&self, pick: u32) -> Result<String> {
-        let Some(old) = self.pick_master(pick).await else {
-            lock(&self.failovers).skipped += 1;
-            return Ok("skipped: no master answers".into());
-        };
-        let Some(replica) = self.replica_of(old).await else {
-            lock(&self.failovers).skipped += 1;
-            return Ok(format!(
-                "skipped: node-{old} has no replica linked to it now"
-            ));
+        let (old, replica) = match self.master_and_replica(pick).await {
+            Ok(found) => found,
+            Err(skipped) => return Ok(skipped),
         };
         let mut c = connect(&self.node_url(replica)).await?;
         let _: () = redis::cmd("CLUSTER")

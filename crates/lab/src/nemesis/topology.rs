@@ -426,9 +426,9 @@ pub(super) fn span(d: &[Duration]) -> String {
 /// writes that primary takes until its demotion are lost), short enough for a failover
 /// every few seconds.
 const DOWN_AFTER: Duration = Duration::from_secs(5);
-/// How long the replicas may take to catch up with a paused primary before the
-/// failover is given up (and the primary's clients resumed).
-const CATCH_UP: Duration = Duration::from_secs(15);
+/// How long the replicas may take to catch up with a paused primary (or master) before
+/// the failover is given up (and its clients resumed).
+pub(super) const CATCH_UP: Duration = Duration::from_secs(15);
 /// How long the sentinels may take to promote a replica.
 const FAILOVER: Duration = Duration::from_secs(60);
 /// How long the old primary, back as a replica, may take to sync.
@@ -545,32 +545,15 @@ impl Group {
             return Ok("skipped: the sentinels name no primary now".into());
         };
         let primary = connect(&self.node_url(old)).await?;
-        let _: () = redis::cmd("CLIENT")
-            .arg("PAUSE")
-            .arg((CATCH_UP + Duration::from_secs(5)).as_millis() as u64)
-            .arg("WRITE")
-            .query_async(&mut primary.clone())
-            .await?;
-        let paused = Instant::now();
-        let offset = loop {
-            let offset = self.caught_up(old, &primary).await;
-            if let Some(offset) = offset {
-                break offset;
-            }
-            if paused.elapsed() > CATCH_UP {
-                let _: redis::RedisResult<()> = redis::cmd("CLIENT")
-                    .arg("UNPAUSE")
-                    .query_async(&mut primary.clone())
-                    .await;
-                lock(&self.failovers).given_up += 1;
-                return Ok(format!(
-                    "skipped: the replicas did not catch up with node-{old} within {} s",
-                    CATCH_UP.as_secs()
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        let Some((offset, waited)) =
+            pause_until_caught_up(&primary, || self.caught_up(old, &primary)).await?
+        else {
+            lock(&self.failovers).given_up += 1;
+            return Ok(format!(
+                "skipped: the replicas did not catch up with node-{old} within {} s",
+                CATCH_UP.as_secs()
+            ));
         };
-        let waited = paused.elapsed();
         let group = self.group.clone();
         tokio::task::spawn_blocking(move || lock(&group).nodes[old].kill()).await?;
         let killed = Instant::now();
@@ -674,25 +657,72 @@ impl Group {
         primary: usize,
         conn: &redis::aio::MultiplexedConnection,
     ) -> Option<u64> {
-        let text: String = redis::cmd("INFO")
-            .arg("replication")
-            .query_async(&mut conn.clone())
-            .await
-            .ok()?;
-        let offset: u64 = field(&text, "master_repl_offset")?.parse().ok()?;
-        let port = self.node_ports[primary].to_string();
+        let offset = master_offset(conn).await?;
+        let port = self.node_ports[primary];
         for i in (0..self.node_ports.len()).filter(|&i| i != primary) {
-            let replica = info(&self.node_url(i), "replication").await?;
-            let applied: u64 = field(&replica, "slave_repl_offset")?.parse().ok()?;
-            if field(&replica, "master_port") != Some(port.as_str())
-                || field(&replica, "master_link_status") != Some("up")
-                || applied < offset
-            {
+            if !replica_holds(&self.node_url(i), port, offset).await? {
                 return None;
             }
         }
         Some(offset)
     }
+}
+
+/// Pauses the writes of the node `node` is connected to (CLIENT PAUSE WRITE) until
+/// `caught_up` gives the offset its replicas hold (asked every 20 ms); returns it, with
+/// how long the writes were paused. After [`CATCH_UP`] without it, the node's clients are
+/// resumed and `None` is returned.
+pub(super) async fn pause_until_caught_up<F, Fut>(
+    node: &redis::aio::MultiplexedConnection,
+    mut caught_up: F,
+) -> Result<Option<(u64, Duration)>>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<u64>>,
+{
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg((CATCH_UP + Duration::from_secs(5)).as_millis() as u64)
+        .arg("WRITE")
+        .query_async(&mut node.clone())
+        .await?;
+    let paused = Instant::now();
+    loop {
+        if let Some(offset) = caught_up().await {
+            return Ok(Some((offset, paused.elapsed())));
+        }
+        if paused.elapsed() > CATCH_UP {
+            let _: redis::RedisResult<()> = redis::cmd("CLIENT")
+                .arg("UNPAUSE")
+                .query_async(&mut node.clone())
+                .await;
+            return Ok(None);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The replication offset of the node `conn` is connected to (`master_repl_offset`).
+pub(super) async fn master_offset(conn: &redis::aio::MultiplexedConnection) -> Option<u64> {
+    let text: String = redis::cmd("INFO")
+        .arg("replication")
+        .query_async(&mut conn.clone())
+        .await
+        .ok()?;
+    field(&text, "master_repl_offset")?.parse().ok()
+}
+
+/// Whether the node at `url` replicates the node on port `master_port` over a link that
+/// is up and has applied its writes up to `offset`; `None` if it does not answer.
+pub(super) async fn replica_holds(url: &str, master_port: u16, offset: u64) -> Option<bool> {
+    let replica = info(url, "replication").await?;
+    let applied: u64 = field(&replica, "slave_repl_offset")?.parse().ok()?;
+    let port = master_port.to_string();
+    Some(
+        field(&replica, "master_port") == Some(port.as_str())
+            && field(&replica, "master_link_status") == Some("up")
+            && applied >= offset,
+    )
 }
 
 /// A connection for the faults' own commands: 2 s to connect, 10 s for a reply.
