@@ -55,9 +55,7 @@ impl Checked {
     /// Adds what one script did with `users` (its reply names positions from 1).
     fn add(&mut self, reply: SlotReply, users: &[&Vec<u8>]) {
         let execution = std::time::Duration::from_micros(reply.execution_us);
-        if self.longest.is_none_or(|(longest, _)| execution > longest) {
-            self.longest = Some((execution, users.len() as u64));
-        }
+        self.keep_longest(Some((execution, users.len() as u64)));
         self.deleted += reply.deleted;
         self.kept += reply.kept;
         let at = |i: usize| users.get(i.wrapping_sub(1)).map(|u| (*u).clone());
@@ -74,9 +72,14 @@ impl Checked {
         self.deleted_users.extend(more.deleted_users);
         self.absent_users.extend(more.absent_users);
         self.rechecked += more.rechecked;
-        if let Some((execution, _)) = more.longest {
+        self.keep_longest(more.longest);
+    }
+
+    /// Keeps `script` (execution time, entries) as [`Checked::longest`] if it ran longer.
+    fn keep_longest(&mut self, script: Option<(std::time::Duration, u64)>) {
+        if let Some((execution, _)) = script {
             if self.longest.is_none_or(|(longest, _)| execution > longest) {
-                self.longest = more.longest;
+                self.longest = script;
             }
         }
     }
