@@ -381,3 +381,83 @@ async fn a_cluster_refusing_wait_still_ends_the_walk() {
     assert_eq!(still_pointing(&registry, &conn, &live, 200).await, 200);
     worker.stop().await;
 }
+
+/// `cluster_replica_wait = false`: the end of a walk does not wait for the replicas. A
+/// replica paused (SIGSTOP) under a master that holds some of the dead server's entries,
+/// and counted up by the cluster throughout (a node timeout of 15 s): the event is
+/// acknowledged while the replica still lacks the deletes and is not flagged failed,
+/// which the wait (on by default) would never do. The registry's end state is the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_replica_wait_off_a_walk_ends_while_a_replica_lags() {
+    init_logs();
+    if !RedisCluster::supported() {
+        cannot_run("this redis-server cannot run a cluster (or redis-cli is missing)");
+        return;
+    }
+    let cluster = tokio::task::spawn_blocking(|| {
+        RedisCluster::start_with(3, 1, || {
+            vec!["--cluster-node-timeout".to_owned(), "15000".to_owned()]
+        })
+    })
+    .await
+    .unwrap()
+    .expect("start a local cluster");
+    let layout = Layout::Keys;
+    let mut settings = cluster_settings(&cluster, layout);
+    settings.chunk_size = 100;
+    settings.cluster_replica_wait = false;
+    let keys = Keys::for_settings(&settings);
+    let conn = conn::shared_for(&conn::target_for(&settings).unwrap())
+        .await
+        .unwrap();
+    let registry = Registry::new(keys.clone(), layout);
+    let (dead, live) = (server("gw-dead#1"), server("gw-live#1"));
+    const USERS: usize = 1_000;
+    const LIVE: usize = 200;
+    seed(&registry, &conn, &dead, USERS).await;
+    seed(&registry, &conn, &live, LIVE).await;
+    let victim = cluster
+        .master_of(&keys.user(&user(&dead, 0)))
+        .expect("a master serves the slot");
+    let replica = pause_its_replica(&cluster, victim);
+
+    let worker = spawn_worker(&settings);
+    kill(&conn, &keys, &dead).await;
+    wait_until(
+        &cluster.nodes[0],
+        "the event acknowledged with a replica paused",
+        Duration::from_secs(60),
+        || async {
+            status::collect_from(&conn, &keys)
+                .await
+                .is_ok_and(|s| s.is_idle())
+        },
+    )
+    .await;
+    // The paused replica was counted up all along: the victim does not flag it failed.
+    let mut c = redis::Client::open(cluster.nodes[victim].url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let nodes: String = redis::cmd("CLUSTER")
+        .arg("NODES")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let port = format!(":{}@", cluster.nodes[replica].port());
+    let line = nodes
+        .lines()
+        .find(|l| l.contains(&port))
+        .expect("the victim knows its replica");
+    assert!(
+        !line.contains("fail"),
+        "the replica was flagged failed before the acknowledgement, so this run cannot tell a walk that waited: {line}"
+    );
+    assert_eq!(still_pointing(&registry, &conn, &dead, USERS).await, 0);
+    assert_eq!(still_pointing(&registry, &conn, &live, LIVE).await, LIVE);
+    cluster.nodes[replica]
+        .signal("CONT")
+        .expect("resume the replica");
+    worker.stop().await;
+}

@@ -270,7 +270,12 @@ impl Cleaner {
         })
         .await?;
         if chunk.next == Next::End {
-            *epoch = self.wait_for_replicas(conn, server, *epoch, stop).await?;
+            *epoch = if self.replica_wait {
+                self.wait_for_replicas(conn, server, *epoch, stop).await?
+            } else {
+                retrying_counted("cluster epoch", stop, Some(errors), || cluster_epoch(conn))
+                    .await?
+            };
         }
         let saw_errors = errors.get() > 0;
         let advanced = retrying_counted("cleanup advance", stop, Some(errors), || {

@@ -224,6 +224,9 @@ pub struct Cleaner {
     /// [`Error::Format`]) when the format in use, or the one its progress record was
     /// written under, is not one of them. See [`crate::format`].
     build: crate::format::Build,
+    /// On a cluster, does the end of a walk wait until the replicas hold its deletes (the
+    /// `cluster_replica_wait` setting)?
+    replica_wait: bool,
 }
 
 /// The fence's lifetime when none is set: the `fence_ttl_ms` default, 7 days.
@@ -246,7 +249,15 @@ impl Cleaner {
             errors: None,
             limiter: None,
             build: crate::format::Build::compiled(),
+            replica_wait: true,
         }
+    }
+
+    /// On a cluster, the end of a walk waits until the replicas hold its deletes (`true`,
+    /// the default) or ends without waiting (the `cluster_replica_wait` setting).
+    pub fn replica_wait(mut self, wait: bool) -> Self {
+        self.replica_wait = wait;
+        self
     }
 
     /// Works under the formats of `build` (default: this build as compiled).

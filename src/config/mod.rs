@@ -94,6 +94,8 @@ pub struct Settings {
     /// More seed nodes of the cluster (URLs), tried when `redis_url` is down.
     #[serde(default)]
     pub redis_cluster_seeds: Vec<String>,
+    /// On a cluster, does the end of a walk wait until the replicas hold its deletes?
+    pub cluster_replica_wait: bool,
     /// Redis Sentinel: the sentinels' URLs. With them, the primary is found through the
     /// sentinels (and followed across failovers); `redis_url` gives credentials, database
     /// and TLS, its host and port are not used.

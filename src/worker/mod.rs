@@ -96,6 +96,7 @@ impl Worker {
                 metrics.unknown_server_verdicts.clone(),
             )
             .format(build)
+            .replica_wait(settings.cluster_replica_wait)
             .counting_errors(metrics.redis_errors.clone())
             // One window for the whole process: every cleanup it runs shares it.
             .limited(crate::cleanup::limiter::Limiter::for_target(

@@ -187,9 +187,16 @@ pub struct BenchOptions {
     /// to look alive).
     #[arg(long)]
     pub no_stale_window: bool,
-    /// Run on a private local Redis Cluster of 3 masters (all on this machine) instead.
+    /// Run on a private local Redis Cluster (all on this machine) instead: of
+    /// `--cluster-masters` masters with `--cluster-replicas` replicas each.
     #[arg(long)]
     pub local_cluster: bool,
+    /// Masters of the `--local-cluster`.
+    #[arg(long, default_value_t = 3, requires = "local_cluster")]
+    pub cluster_masters: usize,
+    /// Replicas of each master of the `--local-cluster`.
+    #[arg(long, default_value_t = 0, requires = "local_cluster")]
+    pub cluster_replicas: usize,
     /// A zone outage instead: this many servers die at once, their events are published
     /// together, `--workers` worker processes clean them while a probe process looks up
     /// live users every millisecond; then one server of the same total size, one worker.
@@ -214,7 +221,21 @@ pub struct BenchOptions {
     /// the setting.
     #[arg(long, value_delimiter = ',')]
     pub step_orders: Vec<String>,
+    /// Zone: run once per `cluster_replica_wait` of this list (true,false); default: the
+    /// setting. Makes a difference on a cluster with replicas (`--cluster-replicas`).
+    #[arg(long, value_delimiter = ',')]
+    pub replica_waits: Vec<bool>,
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
+}
+
+impl BenchOptions {
+    /// The private local cluster to run on, with `--local-cluster`.
+    pub(crate) fn cluster_shape(&self) -> Option<crate::private::ClusterShape> {
+        self.local_cluster.then_some(crate::private::ClusterShape {
+            masters: self.cluster_masters,
+            replicas: self.cluster_replicas,
+        })
+    }
 }

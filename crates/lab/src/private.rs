@@ -18,24 +18,48 @@ pub(crate) enum Private {
     Cluster(RedisCluster),
 }
 
-/// The Redis the demo or the benchmark runs on: a private local cluster of 3 masters with
-/// `local_cluster`; the configured cluster or Sentinel group; else the configured node if
-/// it answers, or a private `redis-server` (kept alive by the returned guard).
+/// The shape of a private local cluster: masters, and replicas of each.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ClusterShape {
+    pub masters: usize,
+    pub replicas: usize,
+}
+
+impl ClusterShape {
+    /// 3 masters, no replicas.
+    pub const SMALL: ClusterShape = ClusterShape {
+        masters: 3,
+        replicas: 0,
+    };
+}
+
+/// The Redis the demo or the benchmark runs on: a private local cluster of
+/// `local_cluster`'s shape; the configured cluster or Sentinel group; else the configured
+/// node if it answers, or a private `redis-server` (kept alive by the returned guard).
 pub(crate) async fn redis_for(
     settings: &Settings,
-    local_cluster: bool,
+    local_cluster: Option<ClusterShape>,
 ) -> Result<(Settings, Private)> {
-    if local_cluster {
+    if let Some(shape) = local_cluster {
         if !RedisServer::available() {
             return Err(Error::LocalRedis(format!(
                 "--local-cluster starts redis-server processes, and redis-server is not on PATH:\n{INSTALL_REDIS}"
             )));
         }
-        let cluster = tokio::task::spawn_blocking(|| RedisCluster::start(3, 0))
-            .await?
-            .map_err(local)?;
+        let cluster =
+            // A node timeout long enough that a machine busy with the benchmark never
+            // makes the cluster fail a node over.
+            tokio::task::spawn_blocking(move || {
+                RedisCluster::start_with(shape.masters, shape.replicas, || {
+                    vec!["--cluster-node-timeout".to_owned(), "15000".to_owned()]
+                })
+            })
+                .await?
+                .map_err(local)?;
         eprintln!(
-            "started a private Redis Cluster of 3 masters on this machine: {:?}",
+            "started a private Redis Cluster of {} masters with {} replicas each on this machine: {:?}",
+            shape.masters,
+            shape.replicas,
             cluster.seeds()
         );
         let mut settings = settings.clone();

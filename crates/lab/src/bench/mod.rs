@@ -121,7 +121,7 @@ pub async fn run(settings: &Settings, options: &Options, worker_exe: &Path) -> R
             reason: "the benchmark runs on a node or a cluster, not through Sentinel".into(),
         });
     }
-    let (settings, _private) = redis_for(settings, options.local_cluster).await?;
+    let (settings, _private) = redis_for(settings, options.cluster_shape()).await?;
     let conn = conn::shared_for(&conn::target_for(&settings)?).await?;
     let redis_version = probe::redis_version(&settings, &conn).await?;
     let root = format!(

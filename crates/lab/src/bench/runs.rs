@@ -191,6 +191,10 @@ pub(super) fn worker_command(
             settings.latency_target_ms.to_string(),
         )
         .env("JANITOR_STEP_ORDER", settings.step_order.as_str())
+        .env(
+            "JANITOR_CLUSTER_REPLICA_WAIT",
+            settings.cluster_replica_wait.to_string(),
+        )
         .env("JANITOR_METRICS_ADDR", "off")
         .env("JANITOR_BLOCK_MS", "100")
         .env("RUST_LOG", "warn")

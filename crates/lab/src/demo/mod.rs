@@ -146,7 +146,13 @@ pub async fn run(settings: &Settings, options: &Options) -> Result<Summary> {
             reason: "needs at least 2 servers and 1 to servers-1 dead ones".into(),
         });
     }
-    let (mut settings, _private) = redis_for(settings, options.local_cluster).await?;
+    let (mut settings, _private) = redis_for(
+        settings,
+        options
+            .local_cluster
+            .then_some(crate::private::ClusterShape::SMALL),
+    )
+    .await?;
     settings.key_prefix = format!("{}janitor-demo:{}:", settings.key_prefix, ulid::Ulid::new());
     let conn = conn::shared_for(&conn::target_for(&settings)?).await?;
     let keys = Keys::for_settings(&settings);

@@ -13,8 +13,9 @@
 //! - the same total as one server cleaned by one worker ("single"), for
 //!   `throughput vs one server alone`.
 //!
-//! `--latency-targets` and `--step-orders` sweep settings (passed to the workers as
-//! `JANITOR_LATENCY_TARGET_MS` and `JANITOR_STEP_ORDER`), `--repeat` repeats each, and
+//! `--latency-targets`, `--step-orders` and `--replica-waits` sweep settings (passed to
+//! the workers as `JANITOR_LATENCY_TARGET_MS`, `JANITOR_STEP_ORDER` and
+//! `JANITOR_CLUSTER_REPLICA_WAIT`), `--repeat` repeats each, and
 //! `--worker-exe` runs the workers from a given `registry-janitor` binary.
 
 mod measure;
@@ -79,11 +80,20 @@ pub struct ZoneRun {
     pub live_lost: u64,
 }
 
+/// The settings a run passes to its workers.
+#[derive(Debug, Clone, Serialize)]
+pub struct Knobs {
+    pub latency_target_ms: u64,
+    pub step_order: String,
+    /// `cluster_replica_wait`.
+    pub replica_wait: bool,
+}
+
 /// One setting of the sweep: the zone and the single server, medians of `--repeat`.
 #[derive(Debug, Clone, Serialize)]
 pub struct ZoneSetting {
-    pub latency_target_ms: u64,
-    pub step_order: String,
+    #[serde(flatten)]
+    pub knobs: Knobs,
     pub zone: ZoneRun,
     pub single: ZoneRun,
     /// Zone users/s over single users/s.
@@ -131,7 +141,7 @@ impl ZoneReport {
 pub async fn run(settings: &Settings, options: &Options, worker_exe: &Path) -> Result<ZoneReport> {
     let zone = options.zone.unwrap_or(1).max(1);
     let (settings, _private) = if options.local_cluster {
-        crate::private::redis_for(settings, true).await?
+        crate::private::redis_for(settings, options.cluster_shape()).await?
     } else {
         let redis = crate::private::start_server().await?;
         eprintln!(
@@ -156,6 +166,11 @@ pub async fn run(settings: &Settings, options: &Options, worker_exe: &Path) -> R
     } else {
         options.step_orders.clone()
     };
+    let waits = if options.replica_waits.is_empty() {
+        vec![settings.cluster_replica_wait]
+    } else {
+        options.replica_waits.clone()
+    };
     let b = ZoneBench {
         settings: &settings,
         conn: &conn,
@@ -165,24 +180,32 @@ pub async fn run(settings: &Settings, options: &Options, worker_exe: &Path) -> R
     };
     // Repetitions outermost, so that every setting sees the same load conditions in turn
     // (on a shared machine the load drifts).
-    let combos: Vec<(u64, String)> = targets
+    let combos: Vec<Knobs> = targets
         .iter()
-        .flat_map(|&t| orders.iter().map(move |o| (t, o.clone())))
+        .flat_map(|&target| {
+            orders.iter().flat_map({
+                let waits = &waits;
+                move |order| {
+                    waits.iter().map(move |&replica_wait| Knobs {
+                        latency_target_ms: target,
+                        step_order: order.clone(),
+                        replica_wait,
+                    })
+                }
+            })
+        })
         .collect();
     let mut repeats: Vec<Vec<ZoneRun>> = vec![Vec::new(); combos.len()];
     for _ in 0..options.repeat.max(1) {
-        for (i, (target, order)) in combos.iter().enumerate() {
-            repeats[i].push(
-                b.run_once("zone", zone, options.workers, *target, order)
-                    .await?,
-            );
-            repeats[i].push(b.run_once("single", 1, 1, *target, order).await?);
+        for (i, knobs) in combos.iter().enumerate() {
+            repeats[i].push(b.run_once("zone", zone, options.workers, knobs).await?);
+            repeats[i].push(b.run_once("single", 1, 1, knobs).await?);
         }
     }
     let out = combos
         .into_iter()
         .zip(repeats)
-        .map(|((target, order), repeats)| setting(target, order, repeats))
+        .map(|(knobs, repeats)| setting(knobs, repeats))
         .collect();
     Ok(ZoneReport {
         redis_version,
@@ -199,16 +222,21 @@ pub async fn run(settings: &Settings, options: &Options, worker_exe: &Path) -> R
 }
 
 /// One setting of the sweep, from its runs: the median zone and single runs.
-fn setting(target: u64, order: String, repeats: Vec<ZoneRun>) -> ZoneSetting {
+fn setting(knobs: Knobs, repeats: Vec<ZoneRun>) -> ZoneSetting {
     let zone = median(&repeats, "zone");
     let single = median(&repeats, "single");
     eprintln!(
-        "latency_target_ms {target}, step_order {order}: zone {:.0} users/s, lookup p99 {} us, max {} us; single {:.0} users/s",
-        zone.users_per_second, zone.lookup_p99_us, zone.lookup_max_us, single.users_per_second
+        "latency_target_ms {}, step_order {}, cluster_replica_wait {}: zone {:.0} users/s, lookup p99 {} us, max {} us; single {:.0} users/s",
+        knobs.latency_target_ms,
+        knobs.step_order,
+        knobs.replica_wait,
+        zone.users_per_second,
+        zone.lookup_p99_us,
+        zone.lookup_max_us,
+        single.users_per_second
     );
     ZoneSetting {
-        latency_target_ms: target,
-        step_order: order,
+        knobs,
         throughput_vs_single: zone.users_per_second / single.users_per_second.max(1e-9),
         zone,
         single,

@@ -22,7 +22,7 @@ use tokio::process::Child;
 use super::{
     measure::{cpu_seconds, slowlog_nodes, slowlogs_read, slowlogs_reset, Probe},
     scene::{ZoneScene, LIVE_USERS},
-    ZoneRun,
+    Knobs, ZoneRun,
 };
 use crate::{
     bench::probe::{peak_rss, percentile, redis_cpu},
@@ -46,8 +46,7 @@ impl ZoneBench<'_> {
         name: &str,
         servers: usize,
         workers: usize,
-        target: u64,
-        order: &str,
+        knobs: &Knobs,
     ) -> Result<ZoneRun> {
         let users_per_server = self.zone * self.options.zone_users / servers;
         let prefix = format!(
@@ -69,9 +68,7 @@ impl ZoneBench<'_> {
         );
         scene.seed(self.conn).await?;
         stream::ensure_group(self.conn, &scene.keys).await?;
-        let children = self
-            .start_workers(&scene.keys, workers, target, order)
-            .await?;
+        let children = self.start_workers(&scene.keys, workers, knobs).await?;
         let probe = self.spawn_probe(&scene.keys)?;
         // A second of lookups with Redis idle first: the machine's own floor.
         tokio::time::sleep(Duration::from_millis(1000)).await;
@@ -109,12 +106,11 @@ impl ZoneBench<'_> {
         &self,
         keys: &Keys,
         workers: usize,
-        target: u64,
-        order: &str,
+        knobs: &Knobs,
     ) -> Result<Vec<Child>> {
         let mut children = Vec::new();
         for _ in 0..workers {
-            children.push(self.spawn_worker(keys, target, order)?);
+            children.push(self.spawn_worker(keys, knobs)?);
         }
         let deadline = Instant::now() + Duration::from_secs(30);
         while status::collect_from(self.conn, keys).await?.consumers.len() < workers {
@@ -127,12 +123,19 @@ impl ZoneBench<'_> {
     }
 
     /// A worker process on `keys`, configured by `JANITOR_*`.
-    fn spawn_worker(&self, keys: &Keys, target: u64, order: &str) -> Result<Child> {
+    fn spawn_worker(&self, keys: &Keys, knobs: &Knobs) -> Result<Child> {
         let s = self.settings;
         crate::bench::runs::worker_command(s, keys.prefix(), self.worker_exe)
             .env("JANITOR_CONCURRENCY", s.concurrency.to_string())
-            .env("JANITOR_LATENCY_TARGET_MS", target.to_string())
-            .env("JANITOR_STEP_ORDER", order)
+            .env(
+                "JANITOR_LATENCY_TARGET_MS",
+                knobs.latency_target_ms.to_string(),
+            )
+            .env("JANITOR_STEP_ORDER", &knobs.step_order)
+            .env(
+                "JANITOR_CLUSTER_REPLICA_WAIT",
+                knobs.replica_wait.to_string(),
+            )
             .env("JANITOR_EVICTIONS", s.evictions.to_string())
             .spawn()
             .map_err(|e| Error::io(format!("starting {}", self.worker_exe.display()), e))

@@ -21,17 +21,18 @@ impl fmt::Display for ZoneReport {
         writeln!(f, "{}", self.calibration)?;
         writeln!(
             f,
-            "{:>6} {:<14} {:<6} {:>9} {:>10} {:>8} {:>8} {:>8} {:>9} {:>9} {:>9} {:>8} {:>8} {:>6} {:>5} {:>5}",
-            "target", "order", "run", "users", "users/s", "p50 us", "p99 us", "max us",
+            "{:>6} {:<14} {:<4} {:<6} {:>9} {:>10} {:>8} {:>8} {:>8} {:>9} {:>9} {:>9} {:>8} {:>8} {:>6} {:>5} {:>5}",
+            "target", "order", "wait", "run", "users", "users/s", "p50 us", "p99 us", "max us",
             "win p50", "win p99", "win mean", "rss MiB", "cpu s/M", "acked", "stale", "lost"
         )?;
         for s in &self.settings {
             for r in [&s.zone, &s.single] {
                 writeln!(
                     f,
-                    "{:>6} {:<14} {:<6} {:>9} {:>10.0} {:>8} {:>8} {:>8} {:>8.0}ms {:>7.0}ms {:>7.0}ms {:>8.1} {:>8.2} {:>6} {:>5} {:>5}",
-                    s.latency_target_ms,
-                    s.step_order,
+                    "{:>6} {:<14} {:<4} {:<6} {:>9} {:>10.0} {:>8} {:>8} {:>8} {:>8.0}ms {:>7.0}ms {:>7.0}ms {:>8.1} {:>8.2} {:>6} {:>5} {:>5}",
+                    s.knobs.latency_target_ms,
+                    s.knobs.step_order,
+                    wait(s.knobs.replica_wait),
                     r.name,
                     r.users,
                     r.users_per_second,
@@ -50,9 +51,10 @@ impl fmt::Display for ZoneReport {
             }
             writeln!(
                 f,
-                "{:>6} {:<14} throughput vs one server alone: {:.2}x; lookups with Redis idle (the machine's floor): p50 {} us, p99 {} us, max {} us",
-                s.latency_target_ms,
-                s.step_order,
+                "{:>6} {:<14} {:<4} throughput vs one server alone: {:.2}x; lookups with Redis idle (the machine's floor): p50 {} us, p99 {} us, max {} us",
+                s.knobs.latency_target_ms,
+                s.knobs.step_order,
+                wait(s.knobs.replica_wait),
                 s.throughput_vs_single,
                 s.zone.idle_lookup_p50_us,
                 s.zone.idle_lookup_p99_us,
@@ -60,14 +62,24 @@ impl fmt::Display for ZoneReport {
             )?;
             writeln!(
                 f,
-                "{:>6} {:<14} slowest command in Redis while the zone was cleaned: {} us ({}), {} over 5 ms",
-                s.latency_target_ms,
-                s.step_order,
+                "{:>6} {:<14} {:<4} slowest command in Redis while the zone was cleaned: {} us ({}), {} over 5 ms",
+                s.knobs.latency_target_ms,
+                s.knobs.step_order,
+                wait(s.knobs.replica_wait),
                 s.zone.redis_slowest_us,
                 s.zone.redis_slowest_command,
                 s.zone.redis_commands_over_5ms
             )?;
         }
         Ok(())
+    }
+}
+
+/// `cluster_replica_wait` in a column.
+fn wait(on: bool) -> &'static str {
+    if on {
+        "on"
+    } else {
+        "off"
     }
 }
