@@ -1802,7 +1802,7 @@ async fn a_cluster_older_than_redis_7_stops_the_worker_at_start_up() {
         .redis_version()
         .expect("INFO server gives redis_version");
     if version >= (7, 0, 0) {
-        let checked = registry_janitor::cleanup::check_scripting(&f.conn).await;
+        let checked = registry_janitor::cleanup::check_scripting(&f.conn, &f.keys.events()).await;
         assert!(checked.is_ok(), "redis_version {version:?}: {checked:?}");
         return;
     }

@@ -89,11 +89,14 @@ pub async fn check_walkable(conn: &RedisConn) -> Result<()> {
 /// managed services and proxies can) would dead-letter every event. The worker stops with
 /// this error instead, naming what is missing; on a cluster, also that scripts may
 /// declare flags (Redis 7.0+). Transient states are returned as they are (the caller
-/// waits them out).
-pub async fn check_scripting(conn: &RedisConn) -> Result<()> {
+/// waits them out). The probes name `key` (one of the janitor's keys; they do not touch
+/// it), so that on a cluster they go to that key's master: a script without keys may be
+/// sent to a replica, which refuses it as a write.
+pub async fn check_scripting(conn: &RedisConn, key: &str) -> Result<()> {
     static PROBE: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new("return 1"));
     match PROBE
         .prepare_invoke()
+        .key(key)
         .invoke_async::<i64>(&mut conn.clone())
         .await
     {
@@ -115,6 +118,7 @@ pub async fn check_scripting(conn: &RedisConn) -> Result<()> {
         LazyLock::new(|| redis::Script::new("#!lua flags=allow-oom\nreturn 1"));
     match FLAGGED
         .prepare_invoke()
+        .key(key)
         .invoke_async::<i64>(&mut conn.clone())
         .await
     {

@@ -297,10 +297,11 @@ impl Reconciler {
         );
         // The worker's start-up check: scripts run, and on a cluster they may declare flags
         // (the drift sweep deletes with the cluster walk's check-and-delete scripts).
+        let events = this.keys.events();
         match this
             .watch()
             .retrying("checking Lua scripting", &shutdown, || {
-                crate::cleanup::check_scripting(&this.conn)
+                crate::cleanup::check_scripting(&this.conn, &events)
             })
             .await
         {

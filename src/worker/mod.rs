@@ -185,7 +185,7 @@ impl Worker {
             .watch()
             .retrying("checking INFO and Lua scripting", &shutdown, || async {
                 crate::cleanup::check_walkable(&this.conn).await?;
-                crate::cleanup::check_scripting(&this.conn).await
+                crate::cleanup::check_scripting(&this.conn, &this.keys.events()).await
             })
             .await
         {
