@@ -78,6 +78,8 @@ pub struct Metrics {
     pub cleanup_seconds: Histogram,
     /// Time from `detected_at_ms` to acknowledgement: the stale window users feel.
     pub stale_window_seconds: Histogram,
+    /// On a cluster, time the end of a walk waited for the replicas to hold its deletes.
+    pub replica_wait_seconds: Histogram,
     /// Redis commands that failed (each attempt).
     pub redis_errors: IntCounter,
     /// Reconciler passes over `servers` completed.
@@ -217,6 +219,14 @@ impl Metrics {
                 "registry_janitor_stale_window_seconds",
                 "Time from detected_at_ms of a server.dead event to its cleanup being acknowledged",
             )
+            .buckets(buckets.clone()),
+        )
+        .expect(VALID);
+        let replica_wait_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "registry_janitor_cluster_replica_wait_seconds",
+                "On a Redis Cluster, time the end of a walk waited for the replicas to hold the walk's deletes",
+            )
             .buckets(buckets),
         )
         .expect(VALID);
@@ -315,6 +325,7 @@ impl Metrics {
             Box::new(entries_vanished.clone()),
             Box::new(cleanup_seconds.clone()),
             Box::new(stale_window_seconds.clone()),
+            Box::new(replica_wait_seconds.clone()),
             Box::new(redis_errors.clone()),
             Box::new(fence_refused_writes.clone()),
             Box::new(fenced_servers.clone()),
@@ -545,6 +556,7 @@ impl Metrics {
             entries_vanished,
             cleanup_seconds,
             stale_window_seconds,
+            replica_wait_seconds,
             redis_errors,
             reconcile_passes,
             reconcile_dead_found,

@@ -238,6 +238,14 @@ async fn killed_after_the_walk(dropped: bool) {
         LIVE,
         "live entries lost in the failover"
     );
+    // The wait shows in its metric: the walk waited at least the 3 s before the kill.
+    let waited = &worker.metrics.replica_wait_seconds;
+    assert!(
+        waited.get_sample_sum() >= 3.0,
+        "replica waits: {} in {:.1} s",
+        waited.get_sample_count(),
+        waited.get_sample_sum()
+    );
     worker.stop().await;
 }
 
@@ -456,6 +464,7 @@ async fn with_the_replica_wait_off_a_walk_ends_while_a_replica_lags() {
     );
     assert_eq!(still_pointing(&registry, &conn, &dead, USERS).await, 0);
     assert_eq!(still_pointing(&registry, &conn, &live, LIVE).await, LIVE);
+    assert_eq!(worker.metrics.replica_wait_seconds.get_sample_count(), 0);
     cluster.nodes[replica]
         .signal("CONT")
         .expect("resume the replica");

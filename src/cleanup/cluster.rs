@@ -271,7 +271,12 @@ impl Cleaner {
         .await?;
         if chunk.next == Next::End {
             *epoch = if self.replica_wait {
-                self.wait_for_replicas(conn, server, *epoch, stop).await?
+                let started = std::time::Instant::now();
+                let epoch = self.wait_for_replicas(conn, server, *epoch, stop).await?;
+                if let Some(seconds) = &self.replica_wait_seconds {
+                    seconds.observe(started.elapsed().as_secs_f64());
+                }
+                epoch
             } else {
                 retrying_counted("cluster epoch", stop, Some(errors), || cluster_epoch(conn))
                     .await?

@@ -231,6 +231,8 @@ pub struct Cleaner {
     /// On a cluster, does the end of a walk wait until the replicas hold its deletes (the
     /// `cluster_replica_wait` setting)?
     replica_wait: bool,
+    /// Observes how long each such wait took, when set.
+    replica_wait_seconds: Option<prometheus::Histogram>,
 }
 
 /// The fence's lifetime when none is set: the `fence_ttl_ms` default, 7 days.
@@ -254,6 +256,7 @@ impl Cleaner {
             limiter: None,
             build: crate::format::Build::compiled(),
             replica_wait: true,
+            replica_wait_seconds: None,
         }
     }
 
@@ -290,6 +293,13 @@ impl Cleaner {
     pub fn fence_unknown(mut self, ttl_ms: u64, counter: prometheus::IntCounter) -> Self {
         self.fence_unknown_ttl_ms = ttl_ms;
         self.unknown_verdicts = Some(counter);
+        self
+    }
+
+    /// Observes in `seconds` how long the end of each cluster walk waited for the
+    /// replicas.
+    pub fn timing_replica_waits(mut self, seconds: prometheus::Histogram) -> Self {
+        self.replica_wait_seconds = Some(seconds);
         self
     }
 

@@ -97,6 +97,7 @@ impl Worker {
             )
             .format(build)
             .replica_wait(settings.cluster_replica_wait)
+            .timing_replica_waits(metrics.replica_wait_seconds.clone())
             .counting_errors(metrics.redis_errors.clone())
             // One window for the whole process: every cleanup it runs shares it.
             .limited(crate::cleanup::limiter::Limiter::for_target(
