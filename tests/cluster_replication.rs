@@ -19,6 +19,26 @@ use registry_janitor::{
 };
 use registry_janitor_testkit::RedisCluster;
 
+/// A local cluster of 3 masters with a replica each, at the default node timeout (15 s),
+/// so that a replica paused for a few seconds is not flagged failed meanwhile; `None`,
+/// with a message saying so, when this redis-server cannot run a cluster.
+async fn cluster_of_slow_verdicts() -> Option<RedisCluster> {
+    init_logs();
+    if !RedisCluster::supported() {
+        cannot_run("this redis-server cannot run a cluster (or redis-cli is missing)");
+        return None;
+    }
+    let cluster = tokio::task::spawn_blocking(|| {
+        RedisCluster::start_with(3, 1, || {
+            vec!["--cluster-node-timeout".to_owned(), "15000".to_owned()]
+        })
+    })
+    .await
+    .unwrap()
+    .expect("start a local cluster");
+    Some(cluster)
+}
+
 /// The node that replicates `master` (INFO replication of each node).
 fn replica_of(cluster: &RedisCluster, master: usize) -> usize {
     let port = cluster.nodes[master].port();
@@ -109,21 +129,11 @@ async fn a_replica_its_master_dropped_but_the_cluster_counts_up_loses_no_delete(
 /// acknowledged, none of the live server's lost. With `dropped`, the master has dropped
 /// the replica's link before the walk.
 async fn killed_after_the_walk(dropped: bool) {
-    init_logs();
-    if !RedisCluster::supported() {
-        cannot_run("this redis-server cannot run a cluster (or redis-cli is missing)");
+    // The paused replica is not flagged failed (and so no longer waited for) during the
+    // few seconds it is paused.
+    let Some(mut cluster) = cluster_of_slow_verdicts().await else {
         return;
-    }
-    // The cluster's default node timeout, so that the paused replica is not flagged
-    // failed (and so no longer waited for) during the few seconds it is paused.
-    let mut cluster = tokio::task::spawn_blocking(|| {
-        RedisCluster::start_with(3, 1, || {
-            vec!["--cluster-node-timeout".to_owned(), "15000".to_owned()]
-        })
-    })
-    .await
-    .unwrap()
-    .expect("start a local cluster");
+    };
     let layout = Layout::Keys;
     let mut settings = cluster_settings(&cluster, layout);
     settings.chunk_size = 100;
@@ -261,20 +271,10 @@ async fn killed_after_the_walk(dropped: bool) {
 /// hold the write.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rebuilt_cluster_connection_still_waits_for_the_replicas() {
-    init_logs();
-    if !RedisCluster::supported() {
-        cannot_run("this redis-server cannot run a cluster (or redis-cli is missing)");
+    // The paused replica is not flagged failed meanwhile.
+    let Some(cluster) = cluster_of_slow_verdicts().await else {
         return;
-    }
-    // The default node timeout: the paused replica is not flagged failed meanwhile.
-    let cluster = tokio::task::spawn_blocking(|| {
-        RedisCluster::start_with(3, 1, || {
-            vec!["--cluster-node-timeout".to_owned(), "15000".to_owned()]
-        })
-    })
-    .await
-    .unwrap()
-    .expect("start a local cluster");
+    };
     let client = redis::cluster::ClusterClientBuilder::new(cluster.seeds())
         .response_timeout(Duration::from_secs(5))
         .build()
@@ -397,19 +397,9 @@ async fn a_cluster_refusing_wait_still_ends_the_walk() {
 /// which the wait (on by default) would never do. The registry's end state is the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_the_replica_wait_off_a_walk_ends_while_a_replica_lags() {
-    init_logs();
-    if !RedisCluster::supported() {
-        cannot_run("this redis-server cannot run a cluster (or redis-cli is missing)");
+    let Some(cluster) = cluster_of_slow_verdicts().await else {
         return;
-    }
-    let cluster = tokio::task::spawn_blocking(|| {
-        RedisCluster::start_with(3, 1, || {
-            vec!["--cluster-node-timeout".to_owned(), "15000".to_owned()]
-        })
-    })
-    .await
-    .unwrap()
-    .expect("start a local cluster");
+    };
     let layout = Layout::Keys;
     let mut settings = cluster_settings(&cluster, layout);
     settings.chunk_size = 100;
