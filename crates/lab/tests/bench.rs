@@ -175,8 +175,10 @@ fn bench_zone_verifies_every_run() {
     );
 }
 
-/// The same on a private local cluster (`--local-cluster`), layout keys: the zone's
-/// check-and-delete goes to every master, limited and not.
+/// The same on a private local cluster (`--local-cluster`) whose masters have a replica
+/// each, layout keys: the zone's check-and-delete goes to every master, limited and not,
+/// and each walk ends with the replica wait on and off (`--replica-waits`, passed to the
+/// workers as `JANITOR_CLUSTER_REPLICA_WAIT`).
 #[test]
 fn bench_zone_verifies_every_run_on_a_local_cluster() {
     if !registry_janitor_testkit::RedisCluster::supported() {
@@ -185,12 +187,29 @@ fn bench_zone_verifies_every_run_on_a_local_cluster() {
         );
         return;
     }
-    bench_zone(Layout::Keys, &["--local-cluster"], 2);
+    let report = bench_zone(
+        Layout::Keys,
+        &[
+            "--local-cluster",
+            "--cluster-replicas",
+            "1",
+            "--replica-waits",
+            "true,false",
+        ],
+        4,
+    );
+    let waits: Vec<bool> = report["settings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["replica_wait"].as_bool().unwrap())
+        .collect();
+    assert_eq!(waits, [true, false, true, false], "{report}");
 }
 
 /// `bench --zone 6` of 3,000 users per server, 2 workers, latency targets 0 and 1, with
-/// `more` flags: `settings` settings in the report, each run verified.
-fn bench_zone(layout: Layout, more: &[&str], settings_count: usize) {
+/// `more` flags: `settings` settings in the report, each run verified; returns the report.
+fn bench_zone(layout: Layout, more: &[&str], settings_count: usize) -> serde_json::Value {
     let redis = redis(); // only for a settings template; the zone bench starts its own
     let settings = settings(&redis, layout);
     let mut args = vec![
@@ -223,4 +242,5 @@ fn bench_zone(layout: Layout, more: &[&str], settings_count: usize) {
         assert_eq!(s["single"]["servers"], 1);
         assert!(s["throughput_vs_single"].as_f64().unwrap() > 0.0);
     }
+    report
 }
