@@ -19,24 +19,43 @@ use registry_janitor::{
 };
 use registry_janitor_testkit::RedisCluster;
 
-/// A local cluster of 3 masters with a replica each, at the default node timeout (15 s),
-/// so that a replica paused for a few seconds is not flagged failed meanwhile; `None`,
-/// with a message saying so, when this redis-server cannot run a cluster.
-async fn cluster_of_slow_verdicts() -> Option<RedisCluster> {
+/// A local cluster of 3 masters with a replica each, at a node timeout of `node_timeout_ms`
+/// (the default is 15 s), so that a replica paused for a few seconds is not flagged failed
+/// meanwhile; `None`, with a message saying so, when this redis-server cannot run a cluster.
+async fn cluster_of_slow_verdicts(node_timeout_ms: u64) -> Option<RedisCluster> {
     init_logs();
     if !RedisCluster::supported() {
         cannot_run("this redis-server cannot run a cluster (or redis-cli is missing)");
         return None;
     }
-    let cluster = tokio::task::spawn_blocking(|| {
+    let cluster = tokio::task::spawn_blocking(move || {
         RedisCluster::start_with(3, 1, || {
-            vec!["--cluster-node-timeout".to_owned(), "15000".to_owned()]
+            vec![
+                "--cluster-node-timeout".to_owned(),
+                node_timeout_ms.to_string(),
+            ]
         })
     })
     .await
     .unwrap()
     .expect("start a local cluster");
     Some(cluster)
+}
+
+/// Waits until every event on `keys` is acknowledged (nothing pending or unread).
+async fn until_acknowledged(
+    cluster: &RedisCluster,
+    conn: &RedisConn,
+    keys: &Keys,
+    what: &str,
+    timeout: Duration,
+) {
+    wait_until(&cluster.nodes[0], what, timeout, || async {
+        status::collect_from(conn, keys)
+            .await
+            .is_ok_and(|s| s.is_idle())
+    })
+    .await;
 }
 
 /// The node that replicates `master` (INFO replication of each node).
@@ -131,7 +150,7 @@ async fn a_replica_its_master_dropped_but_the_cluster_counts_up_loses_no_delete(
 async fn killed_after_the_walk(dropped: bool) {
     // The paused replica is not flagged failed (and so no longer waited for) during the
     // few seconds it is paused.
-    let Some(mut cluster) = cluster_of_slow_verdicts().await else {
+    let Some(mut cluster) = cluster_of_slow_verdicts(15_000).await else {
         return;
     };
     let layout = Layout::Keys;
@@ -224,15 +243,12 @@ async fn killed_after_the_walk(dropped: bool) {
     cluster
         .wait_ok(Duration::from_secs(90))
         .expect("the replica takes over");
-    wait_until(
-        &cluster.nodes[0],
+    until_acknowledged(
+        &cluster,
+        &conn,
+        &keys,
         "all events acknowledged",
         Duration::from_secs(120),
-        || async {
-            status::collect_from(&conn, &keys)
-                .await
-                .is_ok_and(|s| s.is_idle())
-        },
     )
     .await;
 
@@ -272,7 +288,7 @@ async fn killed_after_the_walk(dropped: bool) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rebuilt_cluster_connection_still_waits_for_the_replicas() {
     // The paused replica is not flagged failed meanwhile.
-    let Some(cluster) = cluster_of_slow_verdicts().await else {
+    let Some(cluster) = cluster_of_slow_verdicts(15_000).await else {
         return;
     };
     let client = redis::cluster::ClusterClientBuilder::new(cluster.seeds())
@@ -374,15 +390,12 @@ async fn a_cluster_refusing_wait_still_ends_the_walk() {
 
     let worker = spawn_worker(&settings);
     kill(&conn, &keys, &dead).await;
-    wait_until(
-        &cluster.nodes[0],
+    until_acknowledged(
+        &cluster,
+        &conn,
+        &keys,
         "the event acknowledged",
         Duration::from_secs(60),
-        || async {
-            status::collect_from(&conn, &keys)
-                .await
-                .is_ok_and(|s| s.is_idle())
-        },
     )
     .await;
     assert_eq!(still_pointing(&registry, &conn, &dead, 500).await, 0);
@@ -397,21 +410,11 @@ async fn a_cluster_refusing_wait_still_ends_the_walk() {
 /// which the wait (on by default) would never do. The registry's end state is the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_the_replica_wait_off_a_walk_ends_while_a_replica_lags() {
-    init_logs();
-    if !RedisCluster::supported() {
-        cannot_run("this redis-server cannot run a cluster (or redis-cli is missing)");
-        return;
-    }
     // No failover here: a node timeout of 60 s keeps the paused replica counted up for
     // the whole test, however slow the machine.
-    let cluster = tokio::task::spawn_blocking(|| {
-        RedisCluster::start_with(3, 1, || {
-            vec!["--cluster-node-timeout".to_owned(), "60000".to_owned()]
-        })
-    })
-    .await
-    .unwrap()
-    .expect("start a local cluster");
+    let Some(cluster) = cluster_of_slow_verdicts(60_000).await else {
+        return;
+    };
     let layout = Layout::Keys;
     let mut settings = cluster_settings(&cluster, layout);
     settings.chunk_size = 100;
@@ -433,15 +436,12 @@ async fn with_the_replica_wait_off_a_walk_ends_while_a_replica_lags() {
 
     let worker = spawn_worker(&settings);
     kill(&conn, &keys, &dead).await;
-    wait_until(
-        &cluster.nodes[0],
+    until_acknowledged(
+        &cluster,
+        &conn,
+        &keys,
         "the event acknowledged with a replica paused",
         Duration::from_secs(60),
-        || async {
-            status::collect_from(&conn, &keys)
-                .await
-                .is_ok_and(|s| s.is_idle())
-        },
     )
     .await;
     // The paused replica was counted up all along: the victim does not flag it failed.

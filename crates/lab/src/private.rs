@@ -46,16 +46,15 @@ pub(crate) async fn redis_for(
                 "--local-cluster starts redis-server processes, and redis-server is not on PATH:\n{INSTALL_REDIS}"
             )));
         }
-        let cluster =
-            // A node timeout long enough that a machine busy with the benchmark never
-            // makes the cluster fail a node over.
-            tokio::task::spawn_blocking(move || {
-                RedisCluster::start_with(shape.masters, shape.replicas, || {
-                    vec!["--cluster-node-timeout".to_owned(), "15000".to_owned()]
-                })
+        // A node timeout long enough that a machine busy with the benchmark never makes
+        // the cluster fail a node over.
+        let cluster = tokio::task::spawn_blocking(move || {
+            RedisCluster::start_with(shape.masters, shape.replicas, || {
+                vec!["--cluster-node-timeout".to_owned(), "15000".to_owned()]
             })
-                .await?
-                .map_err(local)?;
+        })
+        .await?
+        .map_err(local)?;
         eprintln!(
             "started a private Redis Cluster of {} masters with {} replicas each on this machine: {:?}",
             shape.masters,

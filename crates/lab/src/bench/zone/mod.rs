@@ -180,21 +180,18 @@ pub async fn run(settings: &Settings, options: &Options, worker_exe: &Path) -> R
     };
     // Repetitions outermost, so that every setting sees the same load conditions in turn
     // (on a shared machine the load drifts).
-    let combos: Vec<Knobs> = targets
-        .iter()
-        .flat_map(|&target| {
-            orders.iter().flat_map({
-                let waits = &waits;
-                move |order| {
-                    waits.iter().map(move |&replica_wait| Knobs {
-                        latency_target_ms: target,
-                        step_order: order.clone(),
-                        replica_wait,
-                    })
-                }
-            })
-        })
-        .collect();
+    let mut combos = Vec::new();
+    for &latency_target_ms in &targets {
+        for step_order in &orders {
+            for &replica_wait in &waits {
+                combos.push(Knobs {
+                    latency_target_ms,
+                    step_order: step_order.clone(),
+                    replica_wait,
+                });
+            }
+        }
+    }
     let mut repeats: Vec<Vec<ZoneRun>> = vec![Vec::new(); combos.len()];
     for _ in 0..options.repeat.max(1) {
         for (i, knobs) in combos.iter().enumerate() {
