@@ -404,6 +404,31 @@ mod tests {
             s.step_order,
             crate::cleanup::limiter::StepOrder::SmallestFirst
         );
+        assert!(s.cluster_replica_wait);
+    }
+
+    #[test]
+    fn the_replica_wait_is_read_from_the_file_and_a_wrong_value_names_it() {
+        let read = |toml: &str| {
+            Figment::from(Toml::string(DEFAULT_TOML))
+                .merge(Toml::string(toml))
+                .extract::<Settings>()
+                .map_err(setting_error)
+        };
+        assert!(
+            !read("cluster_replica_wait = false")
+                .unwrap()
+                .cluster_replica_wait
+        );
+        assert!(
+            read("cluster_replica_wait = true")
+                .unwrap()
+                .cluster_replica_wait
+        );
+        let err = read("cluster_replica_wait = \"sometimes\"")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("cluster_replica_wait"), "{err}");
     }
 
     #[test]

@@ -178,7 +178,7 @@ fn bench_zone_verifies_every_run() {
 /// The same on a private local cluster (`--local-cluster`) whose masters have a replica
 /// each, layout keys: the zone's check-and-delete goes to every master, limited and not,
 /// and each walk ends with the replica wait on and off (`--replica-waits`, passed to the
-/// workers as `JANITOR_CLUSTER_REPLICA_WAIT`).
+/// workers as `JANITOR_CLUSTER_REPLICA_WAIT`, which their metrics show was honoured).
 #[test]
 fn bench_zone_verifies_every_run_on_a_local_cluster() {
     if !registry_janitor_testkit::RedisCluster::supported() {
@@ -205,6 +205,19 @@ fn bench_zone_verifies_every_run_on_a_local_cluster() {
         .map(|s| s["replica_wait"].as_bool().unwrap())
         .collect();
     assert_eq!(waits, [true, false, true, false], "{report}");
+    // The setting reaches the workers: every walk of a run with the wait on ends in it,
+    // and no walk of a run with it off does.
+    for setting in report["settings"].as_array().unwrap() {
+        for run in setting["repeats"].as_array().unwrap() {
+            let waited = run["replica_wait_seconds"].as_f64().unwrap();
+            assert!(run["cleanup_seconds"].as_f64().unwrap() > 0.0, "{run}");
+            if setting["replica_wait"].as_bool().unwrap() {
+                assert!(waited > 0.0, "the wait is on, yet no walk waited: {run}");
+            } else {
+                assert_eq!(waited, 0.0, "the wait is off, yet a walk waited: {run}");
+            }
+        }
+    }
 }
 
 /// `bench --zone 6` of 3,000 users per server, 2 workers, latency targets 0 and 1, with

@@ -200,3 +200,61 @@ pub async fn probe(settings: &Settings, options: &ProbeOptions) -> Result<()> {
         .map_err(|e| Error::io("writing the latencies", e))?;
     Ok(())
 }
+
+/// Sums of two histograms over the workers' `/metrics`: the time the ends of cluster
+/// walks waited for replicas, and the time of whole cleanups (start to acknowledgement).
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct WorkerTimes {
+    pub(super) replica_wait_seconds: f64,
+    pub(super) cleanup_seconds: f64,
+}
+
+/// [`WorkerTimes`] summed over the workers whose metrics listen on `addrs`.
+pub(super) async fn worker_times(addrs: &[String]) -> Result<WorkerTimes> {
+    let mut times = WorkerTimes::default();
+    for addr in addrs {
+        let text = get_metrics(addr).await?;
+        times.replica_wait_seconds +=
+            sample(&text, "registry_janitor_cluster_replica_wait_seconds_sum").unwrap_or(0.0);
+        times.cleanup_seconds +=
+            sample(&text, "registry_janitor_cleanup_duration_seconds_sum").unwrap_or(0.0);
+    }
+    Ok(times)
+}
+
+/// The body of `GET /metrics` at `addr` (HTTP/1.0, so that the body is never chunked).
+async fn get_metrics(addr: &str) -> Result<String> {
+    use tokio::io::AsyncReadExt;
+    let io = |e| Error::io(format!("reading a worker's metrics at {addr}"), e);
+    let mut stream = tokio::net::TcpStream::connect(addr).await.map_err(io)?;
+    stream
+        .write_all(format!("GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .await
+        .map_err(io)?;
+    let mut raw = String::new();
+    tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        stream.read_to_string(&mut raw),
+    )
+    .await
+    .map_err(|_| io(std::io::ErrorKind::TimedOut.into()))?
+    .map_err(io)?;
+    Ok(raw
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())
+        .unwrap_or_default())
+}
+
+/// The value of the sample `series` (written as in the exposition) in `exposition`.
+fn sample(exposition: &str, series: &str) -> Option<f64> {
+    exposition
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| {
+            l.strip_prefix(series)?
+                .strip_prefix(' ')?
+                .trim()
+                .parse()
+                .ok()
+        })
+}

@@ -78,6 +78,13 @@ pub struct ZoneRun {
     pub stale_left: u64,
     /// Entries of moved or live users that are gone or wrong.
     pub live_lost: u64,
+    /// Over the workers' metrics: seconds the ends of cluster walks waited for replicas
+    /// (`registry_janitor_cluster_replica_wait_seconds`), seconds of whole cleanups
+    /// (`registry_janitor_cleanup_duration_seconds`), and the first over the second: the
+    /// share of the cleanups' time spent in the replica wait.
+    pub replica_wait_seconds: f64,
+    pub cleanup_seconds: f64,
+    pub replica_wait_share: f64,
 }
 
 /// The settings a run passes to its workers.

@@ -20,7 +20,7 @@ use registry_janitor::{
 use tokio::process::Child;
 
 use super::{
-    measure::{cpu_seconds, slowlog_nodes, slowlogs_read, slowlogs_reset, Probe},
+    measure::{cpu_seconds, slowlog_nodes, slowlogs_read, slowlogs_reset, worker_times, Probe},
     scene::{ZoneScene, LIVE_USERS},
     Knobs, ZoneRun,
 };
@@ -68,7 +68,7 @@ impl ZoneBench<'_> {
         );
         scene.seed(self.conn).await?;
         stream::ensure_group(self.conn, &scene.keys).await?;
-        let children = self.start_workers(&scene.keys, workers, knobs).await?;
+        let (children, metrics) = self.start_workers(&scene.keys, workers, knobs).await?;
         let probe = self.spawn_probe(&scene.keys)?;
         // A second of lookups with Redis idle first: the machine's own floor.
         tokio::time::sleep(Duration::from_millis(1000)).await;
@@ -80,6 +80,7 @@ impl ZoneBench<'_> {
         let redis_cpu_seconds = redis_cpu(self.settings, self.conn).await? - cpu_before;
         let slowest = slowlogs_read(&slowlogs).await?;
         let lookups = probe.finish().await?;
+        let times = worker_times(&metrics).await?;
         let (worker_peak_rss_bytes, worker_cpu_seconds) = stop_workers(children).await;
         let acks = Acks::read(self.conn, &scene.keys, &added).await?;
         let (stale_left, live_lost) = scene.verify(self.conn).await?;
@@ -93,6 +94,9 @@ impl ZoneBench<'_> {
         run.worker_cpu_seconds = worker_cpu_seconds;
         run.worker_cpu_seconds_per_million_users = worker_cpu_seconds * 1e6 / users.max(1) as f64;
         run.redis_cpu_seconds = redis_cpu_seconds;
+        run.replica_wait_seconds = times.replica_wait_seconds;
+        run.cleanup_seconds = times.cleanup_seconds;
+        run.replica_wait_share = times.replica_wait_seconds / times.cleanup_seconds.max(1e-9);
         run.redis_slowest_us = slowest.max_us;
         run.redis_slowest_command = slowest.command;
         run.redis_commands_over_5ms = slowest.over_5ms;
@@ -101,16 +105,19 @@ impl ZoneBench<'_> {
         Ok(run)
     }
 
-    /// `workers` worker processes on `keys`, once each has joined the group.
+    /// `workers` worker processes on `keys`, once each has joined the group, and the
+    /// addresses of their metrics.
     async fn start_workers(
         &self,
         keys: &Keys,
         workers: usize,
         knobs: &Knobs,
-    ) -> Result<Vec<Child>> {
-        let mut children = Vec::new();
+    ) -> Result<(Vec<Child>, Vec<String>)> {
+        let (mut children, mut metrics) = (Vec::new(), Vec::new());
         for _ in 0..workers {
-            children.push(self.spawn_worker(keys, knobs)?);
+            let addr = free_addr()?;
+            children.push(self.spawn_worker(keys, knobs, &addr)?);
+            metrics.push(addr);
         }
         let deadline = Instant::now() + Duration::from_secs(30);
         while status::collect_from(self.conn, keys).await?.consumers.len() < workers {
@@ -119,11 +126,12 @@ impl ZoneBench<'_> {
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        Ok(children)
+        Ok((children, metrics))
     }
 
-    /// A worker process on `keys`, configured by `JANITOR_*`.
-    fn spawn_worker(&self, keys: &Keys, knobs: &Knobs) -> Result<Child> {
+    /// A worker process on `keys`, configured by `JANITOR_*`, serving its metrics on
+    /// `metrics_addr`.
+    fn spawn_worker(&self, keys: &Keys, knobs: &Knobs, metrics_addr: &str) -> Result<Child> {
         let s = self.settings;
         crate::bench::runs::worker_command(s, keys.prefix(), self.worker_exe)
             .env("JANITOR_CONCURRENCY", s.concurrency.to_string())
@@ -137,6 +145,7 @@ impl ZoneBench<'_> {
                 knobs.replica_wait.to_string(),
             )
             .env("JANITOR_EVICTIONS", s.evictions.to_string())
+            .env("JANITOR_METRICS_ADDR", metrics_addr)
             .spawn()
             .map_err(|e| Error::io(format!("starting {}", self.worker_exe.display()), e))
     }
@@ -169,6 +178,13 @@ impl ZoneBench<'_> {
             .map_err(|e| Error::io(format!("starting {}", exe.display()), e))?;
         Ok(Probe { child })
     }
+}
+
+/// A loopback address whose port was free a moment ago.
+fn free_addr() -> Result<String> {
+    let io = |e| Error::io("finding a free port for a worker's metrics", e);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(io)?;
+    Ok(listener.local_addr().map_err(io)?.to_string())
 }
 
 fn timed_out(what: &str) -> Error {

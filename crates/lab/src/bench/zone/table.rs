@@ -70,6 +70,19 @@ impl fmt::Display for ZoneReport {
                 s.zone.redis_slowest_command,
                 s.zone.redis_commands_over_5ms
             )?;
+            writeln!(
+                f,
+                "{:>6} {:<14} {:<4} time in the replica wait, of the cleanups' time: zone {:.2}% ({:.3} s of {:.3} s), single {:.2}% ({:.3} s of {:.3} s)",
+                s.knobs.latency_target_ms,
+                s.knobs.step_order,
+                wait(s.knobs.replica_wait),
+                s.zone.replica_wait_share * 100.0,
+                s.zone.replica_wait_seconds,
+                s.zone.cleanup_seconds,
+                s.single.replica_wait_share * 100.0,
+                s.single.replica_wait_seconds,
+                s.single.cleanup_seconds
+            )?;
         }
         Ok(())
     }
