@@ -191,8 +191,8 @@ pub struct BenchOptions {
     /// `--cluster-masters` masters with `--cluster-replicas` replicas each.
     #[arg(long)]
     pub local_cluster: bool,
-    /// Masters of the `--local-cluster`.
-    #[arg(long, default_value_t = 3, requires = "local_cluster")]
+    /// Masters of the `--local-cluster` (at least 3, as Redis Cluster requires).
+    #[arg(long, default_value_t = 3, requires = "local_cluster", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(3..))]
     pub cluster_masters: usize,
     /// Replicas of each master of the `--local-cluster`.
     #[arg(long, default_value_t = 0, requires = "local_cluster")]
@@ -237,5 +237,29 @@ impl BenchOptions {
             masters: self.cluster_masters,
             replicas: self.cluster_replicas,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::Cli;
+
+    #[test]
+    fn a_local_cluster_of_fewer_than_three_masters_is_refused_naming_the_flag() {
+        let parse = |masters: &str| {
+            Cli::try_parse_from([
+                "registry-janitor-lab",
+                "bench",
+                "--local-cluster",
+                "--cluster-masters",
+                masters,
+            ])
+        };
+        let err = parse("2").err().expect("2 masters refused").to_string();
+        assert!(err.contains("--cluster-masters"), "{err}");
+        assert!(parse("3").is_ok());
+        assert!(parse("6").is_ok());
     }
 }
