@@ -103,6 +103,11 @@ pub struct NemesisOptions {
     /// a violation is found).
     #[arg(long, value_name = "DIR")]
     pub log_dir: Option<PathBuf>,
+    /// Draw no network partitions. They are drawn on one node where the run is root and
+    /// `ip netns` works; with this flag, such a machine draws the schedule of a seed as
+    /// a machine without them does (the other faults are the same either way).
+    #[arg(long)]
+    pub no_partitions: bool,
 }
 
 /// A duration such as `120s`, `10m`, `500ms` or `90` (seconds).

@@ -5,7 +5,9 @@
 //! ([`procs`]), a fleet of connection servers simulated in this process through the
 //! protocol, with users registering, moving, leaving and being looked up all along
 //! ([`fleet`]), and an observer that checks the invariants every few hundred
-//! milliseconds ([`observer`]). The nemesis applies the faults of the schedule
+//! milliseconds ([`observer`]). On one node, where the run is root, each janitor process
+//! runs in a network namespace of its own, so that a partition can cut it off from Redis
+//! ([`netns`]). The nemesis applies the faults of the schedule
 //! ([`schedule`]), decided from the seed before the run and printed at its start. After
 //! `--duration` the faults stop, everything is healed (paused processes resumed, killed
 //! ones started again, memory limit lifted), the churn stops, and the run waits for every
@@ -14,6 +16,7 @@
 
 mod cluster;
 mod fleet;
+mod netns;
 mod observer;
 mod procs;
 mod report;
@@ -38,8 +41,9 @@ use registry_janitor::{
 
 use crate::cli::{NemesisOptions as Options, TopologyName};
 use fleet::{Fleet, Params};
+use netns::Net;
 use observer::{Observer, NONCE};
-use procs::Janitors;
+use procs::{Janitors, Place, Role};
 use schedule::{Fault, RunShape, Schedule, Shape};
 use topology::{Cluster, Group, Node, Topology};
 use verdicts::{invariant, Verdicts};
@@ -65,6 +69,8 @@ struct Ctx {
     keys: Keys,
     zones: usize,
     slots: usize,
+    /// The janitor processes' network namespaces, where the run makes partitions.
+    net: Option<Arc<Net>>,
     applied: Applied,
     start: Instant,
 }
@@ -109,8 +115,10 @@ pub async fn run(base: &Settings, options: &Options) -> anyhow::Result<Outcome> 
     if options.servers < options.zones + 5 || options.zones == 0 {
         anyhow::bail!("--servers must be at least --zones + 5, and --zones at least 1");
     }
+    let (net, network) = network(options).await;
+    let also_on = net.as_ref().map(|n| n.host_addrs()).unwrap_or_default();
     let topology = Arc::new(match options.topology {
-        TopologyName::Node => Topology::Node(Node::start().await?),
+        TopologyName::Node => Topology::Node(Node::start(&also_on).await?),
         TopologyName::Sentinel => Topology::Sentinel(Group::start().await?),
         TopologyName::Cluster => Topology::Cluster(Cluster::start().await?),
     });
@@ -123,6 +131,7 @@ pub async fn run(base: &Settings, options: &Options) -> anyhow::Result<Outcome> 
         slots: options.servers,
         zones: options.zones,
         kinds: topology.kinds(),
+        partitions: net.is_some(),
     };
     let schedule = Schedule::draw(seed, &shape);
     let (log_dir, temp) = match &options.log_dir {
@@ -138,7 +147,7 @@ pub async fn run(base: &Settings, options: &Options) -> anyhow::Result<Outcome> 
             (temp.path().to_owned(), Some(temp))
         }
     };
-    report::header(seed, options, &settings, &topology, &schedule);
+    report::header(seed, options, &settings, &topology, &schedule, &network);
 
     // The janitor's own connections: to the one node, to the primary the sentinels
     // name, followed across failovers, or to the cluster, from its seeds.
@@ -169,11 +178,22 @@ pub async fn run(base: &Settings, options: &Options) -> anyhow::Result<Outcome> 
         Some(exe) => exe.clone(),
         None => std::env::current_exe().map_err(|e| Error::io("locating this binary", e))?,
     };
+    let places = net
+        .iter()
+        .flat_map(|n| &n.links)
+        .filter_map(|link| {
+            Some(Place {
+                netns: link.netns.clone(),
+                redis_url: topology.url_at(link.host_addr)?,
+            })
+        })
+        .collect();
     let janitors = Arc::new(Mutex::new(Janitors::start(
         &exe,
         procs::janitor_env(&settings),
         &log_dir,
         options.workers,
+        places,
     )?));
     let observer = Arc::new(tokio::sync::Mutex::new(Observer::new(
         fleet.clone(),
@@ -197,6 +217,7 @@ pub async fn run(base: &Settings, options: &Options) -> anyhow::Result<Outcome> 
         keys: keys.clone(),
         zones: options.zones,
         slots: options.servers,
+        net: net.clone(),
         applied: Arc::default(),
         start,
     });
@@ -254,6 +275,10 @@ pub async fn run(base: &Settings, options: &Options) -> anyhow::Result<Outcome> 
     })
     .await
     .unwrap_or_default();
+    if let Some(net) = &net {
+        let net = net.clone();
+        let _ = tokio::task::spawn_blocking(move || net.teardown()).await;
+    }
     let logs = lock(&janitors).logs.clone();
     for (name, log) in &logs {
         let text = std::fs::read_to_string(log).unwrap_or_default();
@@ -309,6 +334,45 @@ pub async fn run(base: &Settings, options: &Options) -> anyhow::Result<Outcome> 
         seed,
         violations: violations.len(),
     })
+}
+
+/// The janitor processes' network namespaces, where partitions can be made (one node,
+/// root, `ip netns`, and no `--no-partitions`), and the header's line on it. Leftovers of
+/// dead runs are removed wherever the run is root.
+async fn network(options: &Options) -> (Option<Arc<Net>>, String) {
+    let why_not = match options.topology {
+        TopologyName::Node if options.no_partitions => Some("--no-partitions".to_owned()),
+        TopologyName::Node => None,
+        _ => Some("on one node only".to_owned()),
+    };
+    let count = options.workers + 1;
+    let made = tokio::task::spawn_blocking(move || match why_not {
+        Some(why) => {
+            if netns::unavailable().is_none() {
+                netns::clean_leftovers();
+            }
+            Err(why)
+        }
+        None => Net::setup(count),
+    })
+    .await
+    .unwrap_or_else(|e| Err(e.to_string()));
+    match made {
+        Ok(net) => {
+            let (first, last) = (&net.links[0], &net.links[count - 1]);
+            let line = format!(
+                "network: each worker and the reconciler in a network namespace of its own \
+                 ({}..{}), reaching Redis at the host end of its veth pair ({}..{}); \
+                 partitions drawn",
+                first.netns, last.netns, first.host_addr, last.host_addr
+            );
+            (Some(Arc::new(net)), line)
+        }
+        Err(why) => (
+            None,
+            format!("network: the host's; no partitions drawn ({why})"),
+        ),
+    }
 }
 
 /// Waits (up to 30 s) until `workers` consumers have joined the group.
@@ -494,6 +558,7 @@ async fn apply(ctx: &Ctx, index: usize, fault: Fault) -> String {
                 "Redis refused the event".into()
             }
         }
+        Fault::Partition { worker, cut } => partition(ctx, worker, cut).await,
         Fault::Malformed { shapes } => {
             let mut out = Vec::new();
             for (k, shape) in shapes.iter().enumerate() {
@@ -512,6 +577,45 @@ async fn apply(ctx: &Ctx, index: usize, fault: Fault) -> String {
             }
             format!("published {}", out.join(", "))
         }
+    }
+}
+
+/// Cuts a worker (or the reconciler, `None`) off from Redis for `cut`, then joins it
+/// again (the link up, tried for up to 5 s).
+async fn partition(ctx: &Ctx, worker: Option<usize>, cut: Duration) -> String {
+    let Some(net) = ctx.net.clone() else {
+        return "skipped: no network namespaces".into();
+    };
+    let role = worker.map_or(Role::Reconciler, Role::Worker);
+    let Some(k) = lock(&ctx.janitors).index(role) else {
+        return format!("skipped: no {}", role.name());
+    };
+    let pid = lock(&ctx.janitors).pid(k).unwrap_or(0);
+    let link = net.clone();
+    match tokio::task::spawn_blocking(move || link.cut(k)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => return format!("skipped: the cut failed: {e}"),
+        Err(e) => return format!("skipped: the cut failed: {e}"),
+    }
+    tokio::time::sleep(cut).await;
+    let mut healed = Err(String::new());
+    for _ in 0..25 {
+        let link = net.clone();
+        healed = tokio::task::spawn_blocking(move || link.heal(k))
+            .await
+            .unwrap_or_else(|e| Err(e.to_string()));
+        if healed.is_ok() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let name = role.name();
+    match healed {
+        Ok(()) => format!(
+            "{name} (pid {pid}) cut off for {:.1}s, then joined again",
+            cut.as_secs_f64()
+        ),
+        Err(e) => format!("{name} (pid {pid}) cut off; joining it again failed: {e}"),
     }
 }
 
@@ -610,8 +714,13 @@ async fn release_memory(ctx: &Ctx) {
     }
 }
 
-/// Every process running and resumed, no memory limit.
+/// Every process running, resumed and joined to Redis, no memory limit.
 async fn heal(ctx: &Ctx) {
+    if let Some(net) = ctx.net.clone() {
+        if let Ok(Err(e)) = tokio::task::spawn_blocking(move || net.heal_all()).await {
+            eprintln!("nemesis: a link did not come up again: {e}");
+        }
+    }
     if let Err(e) = lock(&ctx.janitors).heal() {
         eprintln!("nemesis: a process did not start again: {e}");
     }

@@ -2,7 +2,9 @@
 //! hidden `worker` and `reconcile` commands (the service's own code) or from a given
 //! `registry-janitor` binary, configured by `JANITOR_*` variables only. Killed, paused
 //! and started again by the nemesis, as Kubernetes would restart a pod; their exits and
-//! their memory are watched.
+//! their memory are watched. Where the run makes partitions, each process (a new one
+//! after a kill too) runs in its network namespace, with its own `redis_url`
+//! ([`Place`]).
 
 use std::{
     fs::File,
@@ -128,28 +130,41 @@ pub struct Exit {
     pub log: PathBuf,
 }
 
+/// Where a process runs: in network namespace `netns` (`ip netns exec`), reaching Redis
+/// at `redis_url`.
+#[derive(Debug, Clone)]
+pub struct Place {
+    pub netns: String,
+    pub redis_url: String,
+}
+
 /// Every janitor process of the run.
 pub struct Janitors {
     exe: PathBuf,
     env: Vec<(String, String)>,
     dir: PathBuf,
+    /// The place of each process slot, in the order of `procs`; empty: all on the host.
+    places: Vec<Place>,
     pub procs: Vec<Proc>,
     /// The log of every process started: (name, file).
     pub logs: Vec<(String, PathBuf)>,
 }
 
 impl Janitors {
-    /// Starts `workers` workers and one reconciler from `exe`, their logs in `dir`.
+    /// Starts `workers` workers and one reconciler from `exe`, their logs in `dir`; in
+    /// `places` (one for each worker, then the reconciler's), or on the host if empty.
     pub fn start(
         exe: &Path,
         env: Vec<(String, String)>,
         dir: &Path,
         workers: usize,
+        places: Vec<Place>,
     ) -> Result<Self> {
         let mut j = Janitors {
             exe: exe.to_owned(),
             env,
             dir: dir.to_owned(),
+            places,
             procs: Vec::new(),
             logs: Vec::new(),
         };
@@ -174,9 +189,12 @@ impl Janitors {
     }
 
     pub fn worker_index(&self, worker: usize) -> Option<usize> {
-        self.procs
-            .iter()
-            .position(|p| p.role == Role::Worker(worker))
+        self.index(Role::Worker(worker))
+    }
+
+    /// The slot of `role`.
+    pub fn index(&self, role: Role) -> Option<usize> {
+        self.procs.iter().position(|p| p.role == role)
     }
 
     fn spawn(&mut self, i: usize) -> Result<()> {
@@ -194,7 +212,15 @@ impl Janitors {
             Role::Worker(_) => "worker",
             Role::Reconciler => "reconcile",
         };
-        let mut cmd = Command::new(&self.exe);
+        let place = self.places.get(i);
+        let mut cmd = match place {
+            Some(place) => {
+                let mut cmd = Command::new("ip");
+                cmd.args(["netns", "exec", &place.netns]).arg(&self.exe);
+                cmd
+            }
+            None => Command::new(&self.exe),
+        };
         for (k, _) in std::env::vars_os() {
             if k.to_string_lossy().starts_with("JANITOR_") {
                 cmd.env_remove(k);
@@ -206,9 +232,11 @@ impl Janitors {
                 format!("nemesis-w{w}-{}", p.generation),
             );
         }
+        cmd.arg(command).envs(self.env.iter().map(|(k, v)| (k, v)));
+        if let Some(place) = place {
+            cmd.env("JANITOR_REDIS_URL", &place.redis_url);
+        }
         let child = cmd
-            .arg(command)
-            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::null())

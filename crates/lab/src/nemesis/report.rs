@@ -17,8 +17,8 @@ use super::{
 };
 use crate::cli::NemesisOptions as Options;
 
-/// The command that replays a run.
-pub fn replay(seed: u64, options: &Options, layout: &str) -> String {
+/// The command that replays a run (`partitions`: whether its schedule has them).
+pub fn replay(seed: u64, options: &Options, layout: &str, partitions: bool) -> String {
     let mut line = format!(
         "registry-janitor-lab nemesis --seed {seed} --duration {}s --layout {layout}",
         options.duration.as_secs()
@@ -41,15 +41,22 @@ pub fn replay(seed: u64, options: &Options, layout: &str) -> String {
             line.push_str(&format!(" {flag} {value}"));
         }
     }
+    // A root machine draws partitions on one node unless told not to.
+    if options.topology == crate::cli::TopologyName::Node && !partitions {
+        line.push_str(" --no-partitions");
+    }
     line
 }
 
+/// The header; `network` says where the janitor's processes run, and whether
+/// partitions are drawn.
 pub fn header(
     seed: u64,
     options: &Options,
     settings: &Settings,
     topology: &Topology,
     schedule: &Schedule,
+    network: &str,
 ) {
     println!(
         "nemesis: seed {seed}, {}s of faults on {}, layout {}",
@@ -61,9 +68,10 @@ pub fn header(
         "  {} worker processes and a reconciler; {} connection servers in {} zones; {} entries; {} operations/s",
         options.workers, options.servers, options.zones, options.entries, options.rate
     );
+    println!("  {network}");
     println!(
         "  replay: {}",
-        replay(seed, options, settings.layout.as_str())
+        replay(seed, options, settings.layout.as_str(), schedule.partitions)
     );
     let counts: Vec<String> = schedule
         .counts()
@@ -250,7 +258,7 @@ pub fn summary(i: &Inputs<'_>) {
     println!(
         "seed {}; replay: {}",
         i.seed,
-        replay(i.seed, i.options, layout)
+        replay(i.seed, i.options, layout, i.schedule.partitions)
     );
     println!("schedule up to +{:.1}s:", first.as_secs_f64());
     for (n, p) in i

@@ -6,6 +6,10 @@
 //! and a connection server slot takes one fault at a time with at least four slots live
 //! (somewhere for users to reconnect to). Whether a fault still applies when its time
 //! comes (the slot's server may not be back yet) is decided by the run, and said.
+//!
+//! Network partitions, where the run can make them, are drawn after the other faults from
+//! a stream of random numbers of their own ([`PARTITION_STREAM`]): the other faults of a
+//! seed are the same with partitions and without.
 
 use std::{fmt, time::Duration};
 
@@ -28,11 +32,12 @@ pub enum Kind {
     SentinelFailover,
     ClusterFailover,
     ClusterManualFailover,
+    Partition,
 }
 
 impl Kind {
-    /// Every kind a single node takes (failovers and network partitions need
-    /// topologies of their own).
+    /// Every kind a single node takes in the draw of [`Schedule::draw`] (failovers need
+    /// topologies of their own; network partitions are drawn apart, on one node only).
     pub const NODE: [Kind; 11] = [
         Kind::WorkerKill,
         Kind::WorkerPause,
@@ -102,6 +107,7 @@ impl Kind {
             Kind::SentinelFailover => "sentinel-failover",
             Kind::ClusterFailover => "cluster-failover",
             Kind::ClusterManualFailover => "cluster-manual-failover",
+            Kind::Partition => "partition",
         }
     }
 
@@ -225,6 +231,13 @@ pub enum Fault {
     /// replica catches up and takes over, the old master becomes its replica. Nothing is
     /// killed.
     ClusterManualFailover { master: u32 },
+    /// A worker (`worker`), or the reconciler (`None`), is cut off from Redis for `cut`:
+    /// the host end of its network namespace's link goes down, so that nothing it sends
+    /// arrives and nothing answers (no RST); then the link is up again.
+    Partition {
+        worker: Option<usize>,
+        cut: Duration,
+    },
 }
 
 impl Fault {
@@ -244,6 +257,7 @@ impl Fault {
             Fault::SentinelFailover { .. } => Kind::SentinelFailover,
             Fault::ClusterFailover { .. } => Kind::ClusterFailover,
             Fault::ClusterManualFailover { .. } => Kind::ClusterManualFailover,
+            Fault::Partition { .. } => Kind::Partition,
         }
     }
 }
@@ -321,6 +335,12 @@ impl fmt::Display for Fault {
             ),
             Fault::ClusterManualFailover { master } => write!(f, "{name} of master #{master}"),
             Fault::DeadAgain { pick } => write!(f, "{name} (pick {pick})"),
+            Fault::Partition { worker, cut } => write!(
+                f,
+                "{name} {} from Redis for {}",
+                worker.map_or_else(|| "reconciler".to_owned(), |w| format!("worker-{w}")),
+                secs(*cut)
+            ),
             Fault::Malformed { shapes } => {
                 let names: Vec<&str> = shapes.iter().map(|s| s.name()).collect();
                 write!(f, "{name} [{}]", names.join(", "))
@@ -349,6 +369,8 @@ pub struct RunShape {
     pub slots: usize,
     pub zones: usize,
     pub kinds: Vec<Kind>,
+    /// Network partitions are drawn too (one node, root, `ip netns`).
+    pub partitions: bool,
 }
 
 /// The faults of one run, in order.
@@ -356,6 +378,8 @@ pub struct RunShape {
 pub struct Schedule {
     pub seed: u64,
     pub faults: Vec<Planned>,
+    /// Whether network partitions were drawn.
+    pub partitions: bool,
 }
 
 /// Time before the first fault: the fleet and the janitor settle first.
@@ -364,6 +388,8 @@ const WARM_UP: Duration = Duration::from_secs(4);
 const ZOMBIE_HOLD: Duration = Duration::from_secs(30);
 /// Slots kept live whatever the draw: users need somewhere to reconnect to.
 const MIN_LIVE_SLOTS: usize = 4;
+/// The partitions' stream of random numbers is the seed's with these bits flipped.
+const PARTITION_STREAM: u64 = 0x7061_7274_6974_696f;
 
 fn ms(rng: &mut StdRng, lo: u64, hi: u64) -> Duration {
     Duration::from_millis(rng.random_range(lo..hi))
@@ -512,14 +538,24 @@ impl Schedule {
                         .collect();
                     Some(Fault::Malformed { shapes })
                 }
-                Kind::Zombie | Kind::ServerCrash => None,
+                // Drawn apart ([`draw_partitions`]), never among `shape.kinds`.
+                Kind::Zombie | Kind::ServerCrash | Kind::Partition => None,
             };
             if let Some(fault) = fault {
                 faults.push(Planned { at: t, fault });
             }
             t += ms(&mut rng, 1500, 5000);
         }
-        Schedule { seed, faults }
+        if shape.partitions {
+            let partitions = draw_partitions(seed, shape, &faults);
+            faults.extend(partitions);
+            faults.sort_by_key(|p| p.at);
+        }
+        Schedule {
+            seed,
+            faults,
+            partitions: shape.partitions,
+        }
     }
 
     /// The faults of each kind, in the order of [`Kind`].
@@ -530,6 +566,46 @@ impl Schedule {
         }
         counts
     }
+}
+
+/// The partitions of `seed` for a run of `shape` whose other faults are `faults`: one
+/// process cut off at a time, for 1 to 25 s, the next 2 to 20 s after the heal; a
+/// worker only while no other fault of the schedule holds it (a worker takes one fault
+/// at a time). The first comes 0 to 10 s after the warm-up.
+fn draw_partitions(seed: u64, shape: &RunShape, faults: &[Planned]) -> Vec<Planned> {
+    let mut rng = StdRng::seed_from_u64(seed ^ PARTITION_STREAM);
+    let mut held: Vec<Vec<(Duration, Duration)>> = vec![Vec::new(); shape.workers];
+    for p in faults {
+        match p.fault {
+            Fault::WorkerKill { worker, back_after } => {
+                held[worker].push((p.at, p.at + back_after + Duration::from_secs(1)));
+            }
+            Fault::WorkerPause { worker, pause } => {
+                held[worker].push((p.at, p.at + pause + Duration::from_secs(1)));
+            }
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    let mut t = WARM_UP + ms(&mut rng, 0, 10_000);
+    while t < shape.duration {
+        let cut = ms(&mut rng, 1000, 25_000);
+        let until = t + cut + Duration::from_secs(1);
+        // The workers free all along, and the reconciler (None), which takes no other
+        // fault.
+        let free: Vec<Option<usize>> = (0..shape.workers)
+            .filter(|&w| held[w].iter().all(|&(from, to)| to <= t || from >= until))
+            .map(Some)
+            .chain([None])
+            .collect();
+        let worker = free[rng.random_range(0..free.len())];
+        out.push(Planned {
+            at: t,
+            fault: Fault::Partition { worker, cut },
+        });
+        t = until + ms(&mut rng, 2000, 20_000);
+    }
+    out
 }
 
 #[cfg(test)]
@@ -543,7 +619,125 @@ mod tests {
             slots: 12,
             zones: 3,
             kinds: Kind::NODE.to_vec(),
+            partitions: false,
         }
+    }
+
+    fn with_partitions() -> RunShape {
+        RunShape {
+            partitions: true,
+            ..shape()
+        }
+    }
+
+    /// FNV-1a over the Debug text of every fault of the schedules of `seeds`.
+    fn fingerprint(seeds: std::ops::Range<u64>, shape: &RunShape) -> u64 {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for seed in seeds {
+            for p in &Schedule::draw(seed, shape).faults {
+                for b in format!("{p:?}").bytes() {
+                    h ^= u64::from(b);
+                    h = h.wrapping_mul(0x0100_0000_01b3);
+                }
+            }
+        }
+        h
+    }
+
+    /// Without partitions, the schedules of seeds 0 to 99 on every topology are the ones
+    /// drawn before partitions existed (their fingerprints then), so that a seed
+    /// replays on a machine without partitions or with `--no-partitions`.
+    #[test]
+    fn without_partitions_every_seed_draws_the_schedule_it_drew_before() {
+        let sentinel = RunShape {
+            kinds: Kind::SENTINEL.to_vec(),
+            ..shape()
+        };
+        let cluster = RunShape {
+            kinds: Kind::CLUSTER.to_vec(),
+            ..shape()
+        };
+        assert_eq!(fingerprint(0..100, &shape()), 0x314f_e7f3_2d2e_ffd1);
+        assert_eq!(fingerprint(0..100, &sentinel), 0xd2b5_bc79_5ac8_9464);
+        assert_eq!(fingerprint(0..100, &cluster), 0x34d7_5f62_cc01_010c);
+        let s = Schedule::draw(
+            20,
+            &RunShape {
+                duration: Duration::from_secs(120),
+                ..shape()
+            },
+        );
+        assert_eq!(s.faults.len(), 34);
+        assert!(!s.counts().contains_key(&Kind::Partition));
+    }
+
+    #[test]
+    fn partitions_leave_the_other_faults_of_a_seed_as_they_were() {
+        for seed in 0..50 {
+            let with = Schedule::draw(seed, &with_partitions());
+            assert_eq!(with, Schedule::draw(seed, &with_partitions()), "{seed}");
+            let others: Vec<Planned> = with
+                .faults
+                .iter()
+                .filter(|p| p.fault.kind() != Kind::Partition)
+                .cloned()
+                .collect();
+            assert_eq!(others, Schedule::draw(seed, &shape()).faults, "{seed}");
+            assert!(with.faults.windows(2).all(|w| w[0].at <= w[1].at), "{seed}");
+        }
+    }
+
+    /// Partitions cut one process at a time, for 1 to 25 s; a worker only while no other
+    /// fault holds it; each worker and the reconciler in turn.
+    #[test]
+    fn partitions_are_drawn_one_at_a_time_and_never_on_a_worker_held_by_another_fault() {
+        let mut targets = std::collections::BTreeSet::new();
+        for seed in 0..50 {
+            let s = Schedule::draw(seed, &with_partitions());
+            let mut held: Vec<(usize, Duration, Duration)> = Vec::new();
+            for p in &s.faults {
+                match p.fault {
+                    Fault::WorkerKill {
+                        worker,
+                        back_after: d,
+                    }
+                    | Fault::WorkerPause { worker, pause: d } => {
+                        held.push((worker, p.at, p.at + d + Duration::from_secs(1)));
+                    }
+                    _ => {}
+                }
+            }
+            let mut cut_until = Duration::ZERO;
+            let mut n = 0;
+            for p in &s.faults {
+                let Fault::Partition { worker, cut } = p.fault else {
+                    continue;
+                };
+                n += 1;
+                targets.insert(worker);
+                assert!(
+                    (Duration::from_secs(1)..Duration::from_secs(25)).contains(&cut),
+                    "{seed}: {cut:?}"
+                );
+                assert!(
+                    p.at >= cut_until,
+                    "{seed}: partitions overlap at {:?}",
+                    p.at
+                );
+                cut_until = p.at + cut + Duration::from_secs(1);
+                if let Some(w) = worker {
+                    for &(_, from, to) in held.iter().filter(|h| h.0 == w) {
+                        assert!(
+                            to <= p.at || from >= cut_until,
+                            "{seed}: worker-{w} partitioned at {:?} while held",
+                            p.at
+                        );
+                    }
+                }
+            }
+            assert!(n >= 15, "{seed}: {n} partitions in 600 s");
+        }
+        assert_eq!(targets, [None, Some(0), Some(1), Some(2)].into());
     }
 
     #[test]
@@ -585,6 +779,43 @@ mod tests {
         let counts = s.counts();
         assert_eq!(counts.get(&Kind::SentinelFailover), Some(&3), "{counts:?}");
         assert!(counts.len() >= 8, "{counts:?}");
+    }
+
+    /// The suite's partition run (`crates/lab/tests/nemesis.rs`) uses seed 1760: four
+    /// partitions in 40 s, three of a worker and one of the reconciler, the last healed
+    /// before the end; with partitions, the two-minute run's seed 20 draws five.
+    #[test]
+    fn the_suites_partition_seed_draws_four_in_40_s() {
+        let s = Schedule::draw(
+            1760,
+            &RunShape {
+                duration: Duration::from_secs(40),
+                ..with_partitions()
+            },
+        );
+        let cuts: Vec<(Duration, Option<usize>, Duration)> = s
+            .faults
+            .iter()
+            .filter_map(|p| match p.fault {
+                Fault::Partition { worker, cut } => Some((p.at, worker, cut)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(cuts.len(), 4, "{cuts:?}");
+        assert_eq!(cuts.iter().filter(|c| c.1.is_none()).count(), 1, "{cuts:?}");
+        assert!(
+            cuts.iter()
+                .all(|&(at, _, cut)| at + cut < Duration::from_secs(40)),
+            "{cuts:?}"
+        );
+        let two_minutes = Schedule::draw(
+            20,
+            &RunShape {
+                duration: Duration::from_secs(120),
+                ..with_partitions()
+            },
+        );
+        assert_eq!(two_minutes.counts().get(&Kind::Partition), Some(&5));
     }
 
     #[test]

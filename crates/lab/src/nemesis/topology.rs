@@ -3,7 +3,9 @@
 //! - [`Node`]: a private `redis-server` on a free port with its append-only file fsynced
 //!   on every write (a restart keeps every acknowledged write, so that a restart that
 //!   loses data never passes for a janitor fault), and `busy-reply-threshold` at 100 ms
-//!   (a long script makes every other client get BUSY soon).
+//!   (a long script makes every other client get BUSY soon). Where the run makes
+//!   partitions it listens on the host ends of the janitor processes' network
+//!   namespaces too, with `protected-mode no` (see [`super::netns`]).
 //! - [`Group`]: a private Sentinel group, a primary, two replicas and three sentinels
 //!   (`down-after-milliseconds` 5000). Its failover ([`Topology::failover`]) loses no
 //!   write the primary acknowledged: the primary's clients are paused for writes
@@ -49,6 +51,14 @@ impl Topology {
         }
     }
 
+    /// The URL of this Redis at `addr` instead of 127.0.0.1 (one node only).
+    pub fn url_at(&self, addr: std::net::Ipv4Addr) -> Option<String> {
+        match self {
+            Topology::Node(node) => Some(format!("redis://{addr}:{}", node.port)),
+            _ => None,
+        }
+    }
+
     /// `settings` pointed at this Redis.
     pub fn point(&self, settings: &mut Settings) {
         match self {
@@ -81,9 +91,15 @@ impl Topology {
 
     pub fn describe(&self) -> String {
         match self {
-            Topology::Node(node) => format!(
+            Topology::Node(node) if node.also_on.is_empty() => format!(
                 "one redis-server on 127.0.0.1:{} (appendonly, fsync always)",
                 node.port
+            ),
+            Topology::Node(node) => format!(
+                "one redis-server on 127.0.0.1:{} and {} more addresses (appendonly, fsync \
+                 always)",
+                node.port,
+                node.also_on.len()
             ),
             Topology::Sentinel(group) => {
                 let ports = |p: &[u16]| {
@@ -320,10 +336,13 @@ pub struct Node {
     server: Arc<Mutex<RedisServer>>,
     url: String,
     port: u16,
+    /// The addresses it listens on besides 127.0.0.1.
+    also_on: Vec<std::net::Ipv4Addr>,
 }
 
 impl Node {
-    pub async fn start() -> Result<Node> {
+    /// Starts the node, listening on 127.0.0.1 and on `also_on` (kept across restarts).
+    pub async fn start(also_on: &[std::net::Ipv4Addr]) -> Result<Node> {
         if !RedisServer::available() {
             return Err(Error::LocalRedis(
                 "the nemesis starts its own redis-server, and redis-server is not on PATH \
@@ -331,15 +350,26 @@ impl Node {
                     .into(),
             ));
         }
-        let server = tokio::task::spawn_blocking(|| {
-            RedisServer::start_with(&[
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                "always",
-                "--busy-reply-threshold",
-                "100",
-            ])
+        let mut args: Vec<String> = [
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "always",
+            "--busy-reply-threshold",
+            "100",
+        ]
+        .map(String::from)
+        .to_vec();
+        if !also_on.is_empty() {
+            // The last `--bind` is the one Redis takes; clients from the namespaces come
+            // from addresses other than the loopback, which protected mode would refuse.
+            args.extend(["--protected-mode".into(), "no".into(), "--bind".into()]);
+            args.push("127.0.0.1".into());
+            args.extend(also_on.iter().map(|a| a.to_string()));
+        }
+        let server = tokio::task::spawn_blocking(move || {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            RedisServer::start_with(&args)
         })
         .await?
         .map_err(|e| Error::LocalRedis(format!("starting redis-server: {e}")))?;
@@ -347,6 +377,7 @@ impl Node {
             url: server.url(),
             port: server.port(),
             server: Arc::new(Mutex::new(server)),
+            also_on: also_on.to_vec(),
         })
     }
 }
