@@ -112,7 +112,9 @@ class AsyncNodeTests:
             self.assertEqual(len(lost), 1, lost)
             self.assertIsInstance(lost[0], HeartbeatLost)
             self.assertLessEqual(lost[0].since_ms, start * 1000 + 50)
-            self.assertIsInstance(lost[0].error, redis.exceptions.OutOfMemoryError)
+            # The last failed heartbeat: refused (OOM), or, on a loaded machine, one that
+            # got no reply within its interval while the writes were refused.
+            self.assertIsInstance(lost[0].error, (redis.exceptions.OutOfMemoryError, redis.exceptions.TimeoutError))
         finally:
             self.admin.config_set("maxmemory", 0)
         await asyncio.sleep(1.0)
