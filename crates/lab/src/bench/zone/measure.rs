@@ -209,17 +209,40 @@ pub(super) struct WorkerTimes {
     pub(super) cleanup_seconds: f64,
 }
 
-/// [`WorkerTimes`] summed over the workers whose metrics listen on `addrs`.
-pub(super) async fn worker_times(addrs: &[String]) -> Result<WorkerTimes> {
-    let mut times = WorkerTimes::default();
-    for addr in addrs {
-        let text = get_metrics(addr).await?;
-        times.replica_wait_seconds +=
-            sample(&text, "registry_janitor_cluster_replica_wait_seconds_sum").unwrap_or(0.0);
-        times.cleanup_seconds +=
-            sample(&text, "registry_janitor_cleanup_duration_seconds_sum").unwrap_or(0.0);
+/// [`WorkerTimes`] summed over the workers whose metrics listen on `addrs`, once they
+/// have recorded `cleanups` cleanups between them (a worker records a cleanup's time
+/// right after its acknowledgement), or after 10 s with what they have: a worker whose
+/// metrics cannot be read counts nothing, with a warning.
+pub(super) async fn worker_times(addrs: &[String], cleanups: usize) -> WorkerTimes {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let (mut times, mut recorded, mut unread) = (WorkerTimes::default(), 0.0, Vec::new());
+        for addr in addrs {
+            match get_metrics(addr).await {
+                Ok(text) => {
+                    times.replica_wait_seconds +=
+                        sample(&text, "registry_janitor_cluster_replica_wait_seconds_sum")
+                            .unwrap_or(0.0);
+                    times.cleanup_seconds +=
+                        sample(&text, "registry_janitor_cleanup_duration_seconds_sum")
+                            .unwrap_or(0.0);
+                    recorded += sample(&text, "registry_janitor_cleanup_duration_seconds_count")
+                        .unwrap_or(0.0);
+                }
+                Err(e) => unread.push(e.to_string()),
+            }
+        }
+        if recorded >= cleanups as f64 || std::time::Instant::now() > deadline {
+            if !unread.is_empty() || recorded < cleanups as f64 {
+                eprintln!(
+                    "zone benchmark: the workers' metrics show {recorded} of {cleanups} cleanups; unread: {}",
+                    unread.join("; ")
+                );
+            }
+            return times;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
-    Ok(times)
 }
 
 /// The body of `GET /metrics` at `addr` (HTTP/1.0, so that the body is never chunked).

@@ -80,7 +80,7 @@ impl ZoneBench<'_> {
         let redis_cpu_seconds = redis_cpu(self.settings, self.conn).await? - cpu_before;
         let slowest = slowlogs_read(&slowlogs).await?;
         let lookups = probe.finish().await?;
-        let times = worker_times(&metrics).await?;
+        let times = worker_times(&metrics, servers).await;
         let (worker_peak_rss_bytes, worker_cpu_seconds) = stop_workers(children).await;
         let acks = Acks::read(self.conn, &scene.keys, &added).await?;
         let (stale_left, live_lost) = scene.verify(self.conn).await?;
