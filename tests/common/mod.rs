@@ -580,19 +580,7 @@ pub fn counter_of(metrics: &Metrics, series: &str) -> u64 {
     sample(&metrics.render(), series).unwrap_or(0.0) as u64
 }
 
-/// The value of one sample in a Prometheus text exposition (`name{labels}` as written).
-pub fn sample(exposition: &str, series: &str) -> Option<f64> {
-    exposition
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .find_map(|l| {
-            l.strip_prefix(series)?
-                .strip_prefix(' ')?
-                .trim()
-                .parse()
-                .ok()
-        })
-}
+pub use registry_janitor_testkit::sample;
 
 /// Waits until the cleanup of `server` has walked at least `members` members.
 pub async fn wait_walked(

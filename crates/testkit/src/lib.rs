@@ -14,7 +14,7 @@ mod server;
 pub use cluster::RedisCluster;
 pub use error::{Error, Result};
 pub use sentinel::{RedisSentinels, SentinelProcess, MASTER_NAME};
-pub use server::{cli_binary, server_binary, RedisServer};
+pub use server::{cli_binary, free_port, server_binary, RedisServer};
 
 /// A test that cannot run where it is (no cluster, no sentinels, a tool missing): under
 /// CI (env `CI` set, other than `0` or `false`) it fails with `why`; elsewhere it is
@@ -25,4 +25,19 @@ pub fn cannot_run(why: &str) {
         panic!("CI is set, and this test cannot run: {why}");
     }
     eprintln!("SKIPPED: {why}");
+}
+
+/// The value of one sample in a Prometheus text exposition (`name{labels}` as written),
+/// e.g. of a worker's `/metrics`.
+pub fn sample(exposition: &str, series: &str) -> Option<f64> {
+    exposition
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| {
+            l.strip_prefix(series)?
+                .strip_prefix(' ')?
+                .trim()
+                .parse()
+                .ok()
+        })
 }

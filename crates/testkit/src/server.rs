@@ -234,7 +234,8 @@ impl Drop for RedisServer {
     }
 }
 
-pub(super) fn free_port() -> Result<u16> {
+/// A loopback port that was free a moment ago.
+pub fn free_port() -> Result<u16> {
     let listener =
         TcpListener::bind("127.0.0.1:0").map_err(|e| Error::io("finding a free port", e))?;
     listener

@@ -94,20 +94,12 @@ impl Cluster {
             tokio::task::spawn_blocking(|| -> registry_janitor_testkit::Result<RedisCluster> {
                 let node_timeout = NODE_TIMEOUT.as_millis().to_string();
                 let cluster = RedisCluster::start_with(MASTERS, REPLICAS, || {
-                    [
-                        "--appendonly",
-                        "yes",
-                        "--appendfsync",
-                        "always",
-                        "--busy-reply-threshold",
-                        "100",
+                    super::topology::DURABLE
+                        .iter()
                         // After the harness's own 1 s: the last one counts.
-                        "--cluster-node-timeout",
-                        &node_timeout,
-                    ]
-                    .iter()
-                    .map(|a| a.to_string())
-                    .collect()
+                        .chain(&["--cluster-node-timeout", node_timeout.as_str()])
+                        .map(|a| a.to_string())
+                        .collect()
                 })?;
                 // Every replica known as such by every node, and in sync.
                 for i in 0..cluster.nodes.len() {

@@ -321,6 +321,17 @@ pub(super) fn url(port: u16) -> String {
 
 /// A busy loop on Redis's clock for `ARGV[1]` ms; reads only, so that nothing is left half
 /// done if it were killed.
+/// Every Redis of the nemesis: its append-only file fsynced at every write (a restart
+/// loses nothing acknowledged), and BUSY replies to other clients 100 ms into a script.
+pub(super) const DURABLE: [&str; 6] = [
+    "--appendonly",
+    "yes",
+    "--appendfsync",
+    "always",
+    "--busy-reply-threshold",
+    "100",
+];
+
 const BUSY_LOOP: &str = r"
 local t = redis.call('TIME')
 local start = t[1] * 1000000 + t[2]
@@ -350,16 +361,7 @@ impl Node {
                     .into(),
             ));
         }
-        let mut args: Vec<String> = [
-            "--appendonly",
-            "yes",
-            "--appendfsync",
-            "always",
-            "--busy-reply-threshold",
-            "100",
-        ]
-        .map(String::from)
-        .to_vec();
+        let mut args: Vec<String> = DURABLE.map(String::from).to_vec();
         if !also_on.is_empty() {
             // The last `--bind` is the one Redis takes; clients from the namespaces come
             // from addresses other than the loopback, which protected mode would refuse.
@@ -475,19 +477,7 @@ impl Group {
             ));
         }
         let group = tokio::task::spawn_blocking(|| {
-            RedisSentinels::start_with_down_after(
-                2,
-                3,
-                &[
-                    "--appendonly",
-                    "yes",
-                    "--appendfsync",
-                    "always",
-                    "--busy-reply-threshold",
-                    "100",
-                ],
-                DOWN_AFTER,
-            )
+            RedisSentinels::start_with_down_after(2, 3, &DURABLE, DOWN_AFTER)
         })
         .await?
         .map_err(|e| Error::LocalRedis(format!("starting the Sentinel group: {e}")))?;

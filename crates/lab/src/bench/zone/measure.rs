@@ -9,6 +9,8 @@ use registry_janitor::{
 };
 use tokio::{io::AsyncWriteExt, process::Child};
 
+use registry_janitor_testkit::sample;
+
 use super::scene::live_user;
 use crate::cli::ProbeOptions;
 
@@ -266,18 +268,4 @@ async fn get_metrics(addr: &str) -> Result<String> {
         .split_once("\r\n\r\n")
         .map(|(_, body)| body.to_owned())
         .unwrap_or_default())
-}
-
-/// The value of the sample `series` (written as in the exposition) in `exposition`.
-fn sample(exposition: &str, series: &str) -> Option<f64> {
-    exposition
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .find_map(|l| {
-            l.strip_prefix(series)?
-                .strip_prefix(' ')?
-                .trim()
-                .parse()
-                .ok()
-        })
 }

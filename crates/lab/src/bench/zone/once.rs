@@ -115,7 +115,9 @@ impl ZoneBench<'_> {
     ) -> Result<(Vec<Child>, Vec<String>)> {
         let (mut children, mut metrics) = (Vec::new(), Vec::new());
         for _ in 0..workers {
-            let addr = free_addr()?;
+            let port = registry_janitor_testkit::free_port()
+                .map_err(|e| Error::LocalRedis(format!("a port for a worker's metrics: {e}")))?;
+            let addr = format!("127.0.0.1:{port}");
             children.push(self.spawn_worker(keys, knobs, &addr)?);
             metrics.push(addr);
         }
@@ -178,13 +180,6 @@ impl ZoneBench<'_> {
             .map_err(|e| Error::io(format!("starting {}", exe.display()), e))?;
         Ok(Probe { child })
     }
-}
-
-/// A loopback address whose port was free a moment ago.
-fn free_addr() -> Result<String> {
-    let io = |e| Error::io("finding a free port for a worker's metrics", e);
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(io)?;
-    Ok(listener.local_addr().map_err(io)?.to_string())
 }
 
 fn timed_out(what: &str) -> Error {
