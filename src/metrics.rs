@@ -46,7 +46,9 @@ pub mod outage_cause {
     pub const RESTART: &str = "restart";
     /// Redis's clock (or the reconciler's) stepped forward.
     pub const CLOCK_JUMP: &str = "clock_jump";
-    pub const ALL: [&str; 3] = [FAILED_CALLS, RESTART, CLOCK_JUMP];
+    /// The reconciler itself did not run for longer than its watch allows.
+    pub const STALL: &str = "stall";
+    pub const ALL: [&str; 4] = [FAILED_CALLS, RESTART, CLOCK_JUMP, STALL];
 }
 
 /// Outcome label values of `registry_janitor_receiver_alerts_total`.
@@ -127,7 +129,7 @@ pub struct Metrics {
     /// while it is under `heartbeat_grace_ms` (see `guard::reachable`).
     pub reconcile_reachable_seconds: Gauge,
     /// Redis outages the reconciler detected, by cause (`failed_calls`, `restart`,
-    /// `clock_jump`): each one holds verdicts for a grace.
+    /// `clock_jump`, `stall`): each one holds verdicts for a grace.
     pub reconcile_outages: IntCounterVec,
     /// Servers whose verdict the last pass held because Redis had not been reachable
     /// for a full grace yet.

@@ -1,6 +1,6 @@
 //! The command line of `registry-janitor-lab`: `demo`, `bench`, `nemesis`, and the hidden
 //! `worker`, `reconcile` and `bench-probe` that the benchmark and the nemesis start as
-//! processes of their own. The settings flags are the service's
+//! processes of their own (and `heartbeats`, which a test starts). The settings flags are the service's
 //! ([`registry_janitor::service::SettingsFlags`]).
 
 use std::path::PathBuf;
@@ -41,6 +41,24 @@ pub enum Command {
     /// nemesis's reconciler process (internal).
     #[command(hide = true)]
     Reconcile,
+    /// Connection servers that only heartbeat, until SIGTERM: the guard's stall test
+    /// pauses them with Redis and the janitor (internal).
+    #[command(hide = true)]
+    Heartbeats(HeartbeatOptions),
+}
+
+/// The servers of `heartbeats` and their timing.
+#[derive(Debug, Clone, clap::Args)]
+pub struct HeartbeatOptions {
+    /// A server id (repeated, one per server).
+    #[arg(long, required = true)]
+    pub server: Vec<String>,
+    /// Time between two heartbeats of a server, and before a failed one is tried again.
+    #[arg(long, default_value_t = 200)]
+    pub interval_ms: u64,
+    /// The liveness key's TTL each heartbeat sets.
+    #[arg(long, default_value_t = 700)]
+    pub ttl_ms: u64,
 }
 
 /// Where the nemesis runs.

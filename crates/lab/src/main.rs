@@ -13,11 +13,13 @@
 //! command, which runs [`registry_janitor::service::worker`], the code of
 //! `registry-janitor worker` (the nemesis's reconciler: the hidden `reconcile`, the code
 //! of `registry-janitor reconcile`); with `--worker-exe` (`--janitor-exe`) they are a
-//! given `registry-janitor` binary instead.
+//! given `registry-janitor` binary instead. The hidden `heartbeats` runs connection
+//! servers that only heartbeat, for a test that pauses them ([`heartbeats`]).
 
 mod bench;
 mod cli;
 mod demo;
+mod heartbeats;
 mod nemesis;
 mod private;
 
@@ -64,6 +66,7 @@ async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
         Command::Reconcile => {
             service::reconcile(&settings, false, service::shutdown_on_signals()).await
         }
+        Command::Heartbeats(options) => heartbeats::run(&settings, &options).await,
     }
 }
 

@@ -47,7 +47,15 @@
 //!   it is past [`Reachable::time_bound_ms`] (the last observation's TIME plus the
 //!   monotonic time since, plus the tolerance); the reconciler then calls
 //!   [`Reachable::verdict_past_bound`]. On a cluster, TIME is read on the master of
-//!   `servers`' slot, whose clock the scores are judged by.
+//!   `servers`' slot, whose clock the scores are judged by;
+//! - **stall**: while [`Reachable::watch`] runs, the time from the end of one attempt to
+//!   observe to the start of the next is longer than a step plus the bound's slack. This
+//!   process did not run meanwhile (its host paused, or starved it), so it cannot tell
+//!   that Redis stayed reachable; and a host paused whole (a virtual machine, a machine
+//!   that runs Redis, the connection servers and the reconciler together) stops the
+//!   heartbeats too, without a failed call, a slow reply or a clock step to show it.
+//!   `reconcile --once` runs no watch: its observations are as far apart as its work
+//!   puts them.
 //!
 //! `reachable_since` is also stored in `janitor:{guard}:reachable` (the greatest known
 //! value wins), so an outage that one replica saw holds the verdicts of all of them.
@@ -309,6 +317,7 @@ impl Reachable {
         let seen = match self.read(conn).await {
             Ok(seen) => seen,
             Err(e) => {
+                self.tracker().attempt_ended(self.mono_ms());
                 self.failed(&e);
                 return Err(e);
             }
@@ -347,6 +356,17 @@ impl Reachable {
         }
         if out.clock_jump {
             report(Cause::ClockJump, "a clock stepped forward");
+        }
+        if let Some(gap_ms) = out.stalled_ms {
+            warn!(
+                gap_ms,
+                limit_ms = self.step_ms() + self.tracker().bound_slack_ms(),
+                "the reconciler did not run for {gap_ms} ms: its host paused or starved it, and the connection servers may have been stopped with it"
+            );
+            report(
+                Cause::Stall,
+                "the reconciler itself did not run for longer than its watch allows",
+            );
         }
         let ended = {
             let mut outage = self.outage.lock().unwrap_or_else(|e| e.into_inner());
@@ -402,8 +422,12 @@ impl Reachable {
 
     /// Runs [`Reachable::observe`] every [`Reachable::step`] until `stop`; an observation
     /// that takes longer than a step counts as an outage. Between passes this is what
-    /// sees a Redis that does not answer (a pause), which no other call may meet.
+    /// sees a Redis that does not answer (a pause), which no other call may meet. While
+    /// it runs, a gap between two observations longer than a step plus the slack of
+    /// [`Reachable::time_bound_ms`] is an outage too (cause `stall`): this process did
+    /// not run meanwhile, so it cannot tell that Redis, and the servers, did.
     pub async fn watch(&self, conn: RedisConn, stop: tokio_util::sync::CancellationToken) {
+        self.tracker().watching(self.step_ms());
         loop {
             let limit = match self.tracker().last {
                 Some(_) => self.step,
@@ -414,6 +438,7 @@ impl Reachable {
                 _ = stop.cancelled() => return,
             };
             if observed.is_err() {
+                self.tracker().attempt_ended(self.mono_ms());
                 self.note_failure(&format!(
                     "no answer to TIME and INFO within {} ms",
                     limit.as_millis()
@@ -595,6 +620,55 @@ mod tests {
         let out = t.observed(s, 0);
         assert!(out.slow && !out.clock_jump, "{out:?}");
         assert_eq!(t.hold(5100), Hold::Waiting { remaining_ms: 2000 });
+    }
+
+    #[test]
+    fn a_watch_that_did_not_run_is_a_stall() {
+        let mut t = Tracker::new(GRACE, 500);
+        t.watching(500);
+        assert_eq!(t.watch_gap_ms, Some(1000), "a step plus the slack");
+        t.observed(seen(T0, 0, "a", record("a", 0)), 0);
+        // The next attempt a step after the last ended, and a late one within the slack.
+        let out = t.observed(seen(T0 + 505, 505, "a", record("a", 0)), 0);
+        assert_eq!(out.stalled_ms, None);
+        let out = t.observed(seen(T0 + 1510, 1510, "a", record("a", 0)), 0);
+        assert_eq!(out.stalled_ms, None);
+        assert_eq!(t.hold(1515), Hold::Ready);
+        // Then 5 s without an attempt: the whole machine paused, Redis's clock and the
+        // monotonic one moved together, and the reply is quick.
+        let out = t.observed(seen(T0 + 6515, 6515, "a", record("a", 0)), 0);
+        assert_eq!(out.stalled_ms, Some(5000));
+        assert!(!out.clock_jump && !out.slow, "{out:?}");
+        assert_eq!(t.reachable_since_ms(), T0 + 6515);
+        assert_eq!(t.hold(6520), Hold::Waiting { remaining_ms: 2000 });
+        assert_eq!(out.store, record("a", T0 + 6515), "shared with the others");
+        assert!(!t.resumed(7000));
+        assert!(t.resumed(8520), "verdicts resume a grace later");
+    }
+
+    #[test]
+    fn a_failed_attempt_is_no_stall_and_without_a_watch_nothing_is() {
+        let mut t = Tracker::new(GRACE, 500);
+        t.watching(500);
+        t.observed(seen(T0, 0, "a", record("a", 0)), 0);
+        // Redis did not answer for 3 s: each attempt failed, a step apart.
+        for at in [505, 1510, 2515] {
+            t.failed();
+            t.attempt_ended(at);
+        }
+        let before = t.failures();
+        let out = t.observed(seen(T0 + 3020, 3020, "a", record("a", 0)), before);
+        assert!(out.after_failures);
+        assert_eq!(
+            out.stalled_ms, None,
+            "the watch ran: an outage, not a stall"
+        );
+        // `reconcile --once` runs no watch: its observations may be far apart.
+        let mut t = Tracker::new(GRACE, 500);
+        t.observed(seen(T0, 0, "a", record("a", 0)), 0);
+        let out = t.observed(seen(T0 + 9000, 9000, "a", record("a", 0)), 0);
+        assert_eq!(out.stalled_ms, None);
+        assert_eq!(t.hold(9005), Hold::Ready);
     }
 
     #[test]

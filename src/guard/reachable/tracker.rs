@@ -17,6 +17,9 @@ pub enum Cause {
     Restart,
     /// Redis's clock (or the reconciler's) stepped forward.
     ClockJump,
+    /// The reconciler itself did not run for longer than its watch allows (its host
+    /// paused or starved): nobody watched Redis meanwhile.
+    Stall,
 }
 
 impl Cause {
@@ -26,6 +29,7 @@ impl Cause {
             Cause::FailedCalls => outage_cause::FAILED_CALLS,
             Cause::Restart => outage_cause::RESTART,
             Cause::ClockJump => outage_cause::CLOCK_JUMP,
+            Cause::Stall => outage_cause::STALL,
         }
     }
 }
@@ -73,6 +77,9 @@ pub struct Observed {
     pub slow: bool,
     pub restart: bool,
     pub clock_jump: bool,
+    /// The watch had not observed Redis for longer than it allows (this many ms since
+    /// its previous attempt ended): the reconciler did not run meanwhile.
+    pub stalled_ms: Option<u64>,
     /// No record, and Redis started recently with data from disk.
     pub started_recently: bool,
     /// The record's `reachable_since_ms` (another reconciler's) is later than this
@@ -134,6 +141,11 @@ pub struct Tracker {
     /// An outage was reported and its grace has not been seen to end yet (for the
     /// "verdicts resume" log line).
     pub(super) holding: bool,
+    /// While a watch runs: the longest time (ms) from the end of one attempt to observe
+    /// to the start of the next. Longer, this process did not run (a stall).
+    pub(super) watch_gap_ms: Option<u64>,
+    /// When the last attempt to observe ended, succeeded or not (monotonic ms).
+    pub(super) attempt_ended_ms: Option<u64>,
 }
 
 impl Tracker {
@@ -152,7 +164,21 @@ impl Tracker {
             last: None,
             reachable_since_ms: 0,
             holding: false,
+            watch_gap_ms: None,
+            attempt_ended_ms: None,
         }
+    }
+
+    /// A watch observes every `step_ms` from now on: a longer gap between two attempts
+    /// than the step plus the slack of [`Tracker::redis_time_bound`] means that this
+    /// process did not run meanwhile.
+    pub fn watching(&mut self, step_ms: u64) {
+        self.watch_gap_ms = Some(step_ms + self.bound_slack_ms());
+    }
+
+    /// An attempt to observe ended at monotonic `mono_ms`, succeeded or not.
+    pub fn attempt_ended(&mut self, mono_ms: u64) {
+        self.attempt_ended_ms = Some(self.attempt_ended_ms.map_or(mono_ms, |e| e.max(mono_ms)));
     }
 
     /// A call failed with an outage error; true if Redis was taken as reachable until now
@@ -200,6 +226,14 @@ impl Tracker {
             out.clock_jump = redis_delta > redis_bound + self.tolerance_ms
                 || local_delta > local_bound + self.tolerance_ms;
         }
+        // A stall of this process: when nothing observed Redis for longer than the watch
+        // allows, this process cannot tell that Redis stayed reachable, nor that the
+        // servers could heartbeat meanwhile (a paused machine stops them all, and they
+        // and Redis may come back before or after this process).
+        if let (Some(limit), Some(ended)) = (self.watch_gap_ms, self.attempt_ended_ms) {
+            let gap = seen.sent_mono_ms.saturating_sub(ended);
+            out.stalled_ms = (gap > limit && !out.after_failures).then_some(gap);
+        }
         let mut since = self.reachable_since_ms;
         if seen.record.is_none() && seen.loaded_from_disk {
             if let Some(up) = seen.uptime_ms.filter(|&up| up < self.grace_ms) {
@@ -207,7 +241,8 @@ impl Tracker {
                 since = since.max(now.saturating_sub(up));
             }
         }
-        if out.after_failures || out.slow || out.restart || out.clock_jump {
+        let stalled = out.stalled_ms.is_some();
+        if out.after_failures || out.slow || out.restart || out.clock_jump || stalled {
             since = now;
         }
         // A record from the future (Redis's clock stepped back) is not honoured.
@@ -233,9 +268,16 @@ impl Tracker {
         if seen.record.is_none() || wanted != stored {
             out.store = Some(wanted);
         }
-        if out.slow || out.restart || out.clock_jump || out.started_recently || out.adopted {
+        if out.slow
+            || out.restart
+            || out.clock_jump
+            || stalled
+            || out.started_recently
+            || out.adopted
+        {
             self.holding = true;
         }
+        self.attempt_ended(seen.received_mono_ms);
         self.last = Some(seen);
         out
     }
