@@ -74,8 +74,8 @@ fn partitions(stdout: &str) -> (u64, u64) {
         .unwrap_or((0, 0))
 }
 
-/// Why this machine cannot make the nemesis's partitions (not root, no `ip netns`), or
-/// None.
+/// Why this machine cannot make the nemesis's partitions (not root, or no namespace and
+/// veth pair can be made), or None.
 fn no_partitions_here() -> Option<String> {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     let euid = status
@@ -85,14 +85,28 @@ fn no_partitions_here() -> Option<String> {
     if euid != Some("0") {
         return Some("the test is not root".into());
     }
-    match Command::new("ip").args(["netns", "list"]).output() {
-        Ok(out) if out.status.success() => None,
-        Ok(out) => Some(format!(
-            "`ip netns list` failed: {}",
+    // A namespace and a veth pair of the test's own, made and removed: root alone is not
+    // enough in a container without CAP_SYS_ADMIN or CAP_NET_ADMIN.
+    let ip = |args: &[&str]| match Command::new("ip").args(args).output() {
+        Ok(out) if out.status.success() => Ok(()),
+        Ok(out) => Err(format!(
+            "`ip {}` failed: {}",
+            args.join(" "),
             String::from_utf8_lossy(&out.stderr).trim()
         )),
-        Err(e) => Some(format!("`ip netns list` did not run: {e}")),
-    }
+        Err(e) => Err(format!("`ip` did not run: {e}")),
+    };
+    let pid = std::process::id();
+    let (netns, host, peer) = (
+        format!("rjtn{pid}"),
+        format!("rjth{pid}"),
+        format!("rjtp{pid}"),
+    );
+    let made = ip(&["netns", "add", &netns])
+        .and_then(|()| ip(&["link", "add", &host, "type", "veth", "peer", "name", &peer]));
+    let _ = ip(&["link", "delete", &host]);
+    let _ = ip(&["netns", "delete", &netns]);
+    made.err()
 }
 
 fn assert_clean_run(seed: u64, code: i32, stdout: &str, stderr: &str) {

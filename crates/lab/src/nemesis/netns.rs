@@ -22,8 +22,10 @@ use std::{
     sync::Mutex,
 };
 
-/// The addresses the pairs take: 10.96.0.0/14, 65,536 /30s.
-pub const RANGE: (Ipv4Addr, u8) = (Ipv4Addr::new(10, 96, 0, 0), 14);
+/// The addresses the pairs take: 198.18.0.0/15, 32,768 /30s. The range is reserved for
+/// benchmarking networks (RFC 2544), so no deployment's own network (a Kubernetes
+/// service range, a VPC) is likely to use it.
+pub const RANGE: (Ipv4Addr, u8) = (Ipv4Addr::new(198, 18, 0, 0), 15);
 /// The /30s in [`RANGE`].
 const PAIRS: u32 = 1 << (32 - RANGE.1 - 2);
 /// Longest name of a network interface (`IFNAMSIZ` - 1).
@@ -51,22 +53,29 @@ pub struct Net {
     gone: Mutex<bool>,
 }
 
-/// Why partitions cannot be made here (not root, no `ip netns`), or None.
+/// Why partitions cannot be made here (not root, or a namespace and a veth pair cannot
+/// be made: no `ip`, no CAP_SYS_ADMIN or CAP_NET_ADMIN, no veth), or None. It makes a
+/// namespace and a pair of its own, and removes them.
 pub fn unavailable() -> Option<String> {
     if !is_root() {
         return Some("the run is not root".into());
     }
-    match Command::new("ip")
-        .args(["netns", "list"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-    {
-        Ok(s) if s.success() => None,
-        Ok(s) => Some(format!("`ip netns list` exited with {s}")),
-        Err(e) => Some(format!("`ip netns list` did not run: {e}")),
-    }
+    let pid = std::process::id();
+    let (netns, host, peer) = (
+        format!("rjn{pid}-{PROBE}"),
+        format!("rjh{pid}-{PROBE}"),
+        format!("rjp{pid}-{PROBE}"),
+    );
+    let made = ip(&["netns", "add", &netns])
+        .and_then(|()| ip(&["link", "add", &host, "type", "veth", "peer", "name", &peer]));
+    let _ = ip(&["link", "delete", &host]);
+    let _ = ip(&["netns", "delete", &netns]);
+    made.err()
 }
+
+/// The number of the probe's namespace and pair (`rjn<pid>-99`): a name of ours, so that
+/// one left by a run killed while probing is removed as any other.
+const PROBE: usize = 99;
 
 /// Whether this process's effective user id is 0 (`Uid:` of `/proc/self/status`).
 pub fn is_root() -> bool {
@@ -196,7 +205,7 @@ impl Net {
         clean_leftovers();
         let pid = std::process::id();
         let start = first_free(pid, count as u32, &host_addresses())
-            .ok_or_else(|| format!("no {count} free /30s in 10.96.0.0/14"))?;
+            .ok_or_else(|| format!("no {count} free /30s in {}/{}", RANGE.0, RANGE.1))?;
         let mut links = Vec::new();
         for k in 0..count {
             let net = u32::from(pair(start + k as u32));
@@ -311,15 +320,17 @@ mod tests {
 
     #[test]
     fn pairs_are_slash_30s_of_the_range_clear_of_the_hosts_addresses() {
-        assert_eq!(pair(0), Ipv4Addr::new(10, 96, 0, 0));
-        assert_eq!(pair(1), Ipv4Addr::new(10, 96, 0, 4));
-        assert_eq!(pair(PAIRS - 1), Ipv4Addr::new(10, 99, 255, 252));
+        assert_eq!(pair(0), Ipv4Addr::new(198, 18, 0, 0));
+        assert_eq!(pair(1), Ipv4Addr::new(198, 18, 0, 4));
+        assert_eq!(pair(PAIRS - 1), Ipv4Addr::new(198, 19, 255, 252));
+        assert_eq!(pair(PAIRS), pair(0), "the range wraps");
         let none = HashSet::new();
         assert_eq!(first_free(7, 4, &none), Some(28));
         let start = first_free(7, 4, &none).unwrap();
         let used: HashSet<Ipv4Addr> = [Ipv4Addr::from(u32::from(pair(start + 2)) + 1)].into();
         assert_eq!(first_free(7, 4, &used), Some(start + 4));
-        // The longest names fit: a 7-digit pid, two-digit k.
+        // The longest names fit: a 7-digit pid, two-digit k (the probe's too).
         assert!("rjh4194303-99".len() <= IFNAME_MAX);
+        assert!(format!("rjh4194303-{PROBE}").len() <= IFNAME_MAX);
     }
 }
