@@ -263,7 +263,14 @@ impl Observer {
         self.live_entries().await?;
         if let Some(group) = &group {
             self.acknowledged_clean(group).await?;
-            self.in_time(group);
+            let holds = if self.past_deadline(group) {
+                registry_janitor::guard::hold::list(&self.conn, &self.keys)
+                    .await
+                    .map_err(|e| e.to_string())?
+            } else {
+                Vec::new()
+            };
+            self.in_time(group, &holds);
             self.idle = self.events.iter().all(|e| group.acked(e.id));
         }
         Ok(())
@@ -795,21 +802,51 @@ impl Observer {
         Ok(())
     }
 
-    /// Nothing waits past the deadline: no event unacknowledged, no dead server
-    /// unacknowledged after its death.
-    fn in_time(&mut self, group: &Group) {
-        let deadline = self.fleet.params.deadline;
+    /// The first event unacknowledged past the deadline.
+    fn late_event(&self, group: &Group) -> Option<&Event> {
+        let deadline = self.fleet.params.deadline.as_millis() as u64;
         let now_ms = registry_janitor::now_ms();
-        if let Some(e) = self
-            .events
+        self.events
             .iter()
-            .find(|e| !group.acked(e.id) && e.id.0 + (deadline.as_millis() as u64) < now_ms)
-        {
-            let e = e.clone();
+            .find(|e| !group.acked(e.id) && e.id.0 + deadline < now_ms)
+    }
+
+    /// Whether anything waits past the deadline (an event, or a dead server).
+    fn past_deadline(&self, group: &Group) -> bool {
+        let deadline = self.fleet.params.deadline;
+        self.late_event(group).is_some()
+            || self.fleet.truth().servers.values().any(|s| {
+                s.state == State::Dead
+                    && s.died.is_some_and(|d| d.elapsed() > deadline)
+                    && !self.acked_set.contains(&s.id)
+            })
+    }
+
+    /// Nothing waits past the deadline: no event unacknowledged, no dead server
+    /// unacknowledged after its death. A verdict the guard holds is named as held, with
+    /// the guard's doubt and what it saw (`holds`: the guard's holds, read when anything
+    /// is late).
+    fn in_time(&mut self, group: &Group, holds: &[registry_janitor::guard::Hold]) {
+        let deadline = self.fleet.params.deadline;
+        let held = |entry: Option<&str>, server: &str| {
+            holds
+                .iter()
+                .find(|h| entry.map_or(h.server_id == server, |e| h.entry == e))
+                .map_or(String::new(), |h| {
+                    format!(
+                        "; the guard holds it ({}: {}) since {} ms ago",
+                        h.doubt.as_str(),
+                        h.detail,
+                        registry_janitor::now_ms().saturating_sub(h.since_ms)
+                    )
+                })
+        };
+        if let Some(e) = self.late_event(group).cloned() {
+            let why = held(Some(&e.text), "");
             self.verdicts.violation(
                 invariant::EVENTS_SETTLED,
                 format!(
-                    "event {} ({}) is not acknowledged {} s after it was published",
+                    "event {} ({}) is not acknowledged {} s after it was published{why}",
                     e.text,
                     e.class,
                     deadline.as_secs()
@@ -827,10 +864,11 @@ impl Observer {
             let about = t.describe_server(&s.id);
             let id = s.id.clone();
             drop(t);
+            let why = held(None, id.as_str());
             self.verdicts.violation(
                 invariant::DEAD_FOUND,
                 format!(
-                    "{id} died more than {} s ago and its server.dead is not acknowledged",
+                    "{id} died more than {} s ago and its server.dead is not acknowledged{why}",
                     deadline.as_secs()
                 ),
                 vec![about],
