@@ -159,6 +159,16 @@ local function str_header(n)
   return header
 end
 
+-- A pair's array header and its user's bin 8 header, by the user id's length (under
+-- 256), made as met: one slot of the list per pair less.
+local PAIR_BIN8 = {}
+
+local function pair_bin8_header(n)
+  local header = '\146' .. (BIN8[n] or bin8_header(n))
+  PAIR_BIN8[n] = header
+  return header
+end
+
 -- Layout conns: XADDs `connections.evicted` entries for the pairs (users[i],
 -- connections[i]), i = 1..n (whose entries this script deleted), 1,000 pairs per entry:
 -- `connections` is an array of [user id (binary), connection id (string)]. Returns the
@@ -174,17 +184,14 @@ local function announce_connection_pairs(stream, server, event_id, source, users
     local list, k = {mp_array_header(last - first + 1)}, 1
     for i = first, last do
       local user, connection = users[i], connections[i]
-      local ul = #user
-      list[k + 1] = '\146'
+      local ul, cl = #user, #connection
       if ul < 256 then
-        list[k + 2] = BIN8[ul] or bin8_header(ul)
-        list[k + 3] = user
+        list[k + 1], list[k + 2] = PAIR_BIN8[ul] or pair_bin8_header(ul), user
       else
-        list[k + 2] = mp_bin(user)
-        list[k + 3] = ''
+        list[k + 1], list[k + 2] = '\146', mp_bin(user)
       end
-      list[k + 4], list[k + 5] = STR8[#connection] or str_header(#connection), connection
-      k = k + 5
+      list[k + 3], list[k + 4] = STR8[cl] or str_header(cl), connection
+      k = k + 4
     end
     local payload = mp_map({
       'v', mp_uint(1), 'source', mp_str(source), 'server_id', mp_str(server),
