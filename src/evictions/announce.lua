@@ -146,56 +146,78 @@ end
 -- str 8 headers by length (fixstr under 32), made as met.
 local STR8 = {}
 
--- Layout conns: XADDs `connections.evicted` entries for `members` (`<connection id>
--- <user id>`, whose entries this script deleted; split by conn_parts in owners.lua),
--- 1,000 pairs per entry: `connections` is an array of [user id (binary), connection id
--- (string)]. Returns the entries written.
-local function announce_connections_evicted(stream, server, event_id, source, members)
-  if not stream or stream == '' or #members == 0 then return 0 end
+-- The str header of a connection id of `n` bytes (fixstr under 32), made as met.
+local function str_header(n)
+  local header = STR8[n]
+  if not header then
+    if n < 32 then header = string.char(160 + n)
+    elseif n < 256 then header = '\217' .. string.char(n)
+    elseif n < 65536 then header = '\218' .. mp_be(n, 2)
+    else header = '\219' .. mp_be(n, 4) end
+    STR8[n] = header
+  end
+  return header
+end
+
+-- A pair's array header and its user's bin 8 header, by the user id's length (under
+-- 256), made as met: one slot of the list per pair less.
+local PAIR_BIN8 = {}
+
+local function pair_bin8_header(n)
+  local header = '\146' .. (BIN8[n] or bin8_header(n))
+  PAIR_BIN8[n] = header
+  return header
+end
+
+-- Layout conns: XADDs `connections.evicted` entries for the pairs (users[i],
+-- connections[i]), i = 1..n (whose entries this script deleted), 1,000 pairs per entry:
+-- `connections` is an array of [user id (binary), connection id (string)]. Returns the
+-- entries written.
+local function announce_connection_pairs(stream, server, event_id, source, users, connections, n)
+  if not stream or stream == '' or n == 0 then return 0 end
   local at = mp_uint(now_ms())
   local entries = 0
-  for first = 1, #members, EVICTED_PER_ENTRY do
-    local last = math.min(first + EVICTED_PER_ENTRY - 1, #members)
+  for first = 1, n, EVICTED_PER_ENTRY do
+    local last = math.min(first + EVICTED_PER_ENTRY - 1, n)
     -- As in announce_evicted: cached headers and the ids themselves go into the list,
     -- so no string is made per pair.
-    local list, k, n = {}, 1, 0
+    local list, k = {mp_array_header(last - first + 1)}, 1
     for i = first, last do
-      local connection, user = conn_parts(members[i])
-      if connection then
-        n = n + 1
-        local ul, cl = #user, #connection
-        local uh = ul < 256 and (BIN8[ul] or bin8_header(ul)) or nil
-        local ch = STR8[cl]
-        if not ch then
-          if cl < 32 then ch = string.char(160 + cl)
-          elseif cl < 256 then ch = '\217' .. string.char(cl)
-          elseif cl < 65536 then ch = '\218' .. mp_be(cl, 2)
-          else ch = '\219' .. mp_be(cl, 4) end
-          STR8[cl] = ch
-        end
-        list[k + 1] = '\146'
-        list[k + 2] = uh or mp_bin(user)
-        if uh then
-          list[k + 3] = user
-        else
-          list[k + 3] = ''
-        end
-        list[k + 4], list[k + 5] = ch, connection
-        k = k + 5
+      local user, connection = users[i], connections[i]
+      local ul, cl = #user, #connection
+      if ul < 256 then
+        list[k + 1], list[k + 2] = PAIR_BIN8[ul] or pair_bin8_header(ul), user
+      else
+        list[k + 1], list[k + 2] = '\146', mp_bin(user)
       end
+      list[k + 3], list[k + 4] = STR8[cl] or str_header(cl), connection
+      k = k + 4
     end
-    if n > 0 then
-      list[1] = mp_array_header(n)
-      local payload = mp_map({
-        'v', mp_uint(1), 'source', mp_str(source), 'server_id', mp_str(server),
-        'event_id', mp_str(event_id), 'connections', table.concat(list),
-        'evicted_at_ms', at,
-      })
-      redis.call('XADD', stream, '*', 'type', 'connections.evicted', 'payload', payload)
-      entries = entries + 1
-    end
+    local payload = mp_map({
+      'v', mp_uint(1), 'source', mp_str(source), 'server_id', mp_str(server),
+      'event_id', mp_str(event_id), 'connections', table.concat(list),
+      'evicted_at_ms', at,
+    })
+    redis.call('XADD', stream, '*', 'type', 'connections.evicted', 'payload', payload)
+    entries = entries + 1
   end
   return entries
+end
+
+-- Layout conns: announce_connection_pairs for `members` (`<connection id> <user id>`,
+-- whose entries this script deleted; split by conn_parts in owners.lua; a member that is
+-- not one of this layout is left out).
+local function announce_connections_evicted(stream, server, event_id, source, members)
+  if not stream or stream == '' or #members == 0 then return 0 end
+  local users, connections, n = {}, {}, 0
+  for i = 1, #members do
+    local connection, user = conn_parts(members[i])
+    if connection then
+      n = n + 1
+      users[n], connections[n] = user, connection
+    end
+  end
+  return announce_connection_pairs(stream, server, event_id, source, users, connections, n)
 end
 
 -- The announcement of deleted reverse-set members for `layout`: `users.evicted` (hash,

@@ -11,7 +11,9 @@ local BATCH = 1000
 local CONN_ID, CONN_USER, CONN_KEY = {}, {}, {}
 
 -- Whether `c` keeps the rule of connection (and server) ids: 1 to 200 bytes of printable
--- ASCII without whitespace or braces ('!' to '~' but '{' and '}').
+-- ASCII without whitespace or braces ('!' to '~' but '{' and '}'). clean_step.lua's
+-- check_delete_conns applies the same rule (and conn_parts's split) in one pattern
+-- match: a change here goes there too.
 local function is_conn_id(c)
   return #c >= 1 and #c <= 200 and not string.find(c, '[^!-z|~]')
 end
