@@ -233,10 +233,12 @@ async fn a_machine_paused_whole_fences_no_live_server() {
     }
     redis.signal("STOP").unwrap();
     std::thread::sleep(Duration::from_millis(5_000)); // the pause, not a wait for a result
+                                                      // Before anything runs again: whatever the reconciler reads of Redis's clock after
+                                                      // the pause is later.
+    let resumed_ms = registry_janitor::now_ms();
     redis.signal("CONT").unwrap();
     reconciler.signal("CONT");
     worker.signal("CONT");
-    let resumed_ms = registry_janitor::now_ms();
     // The connection servers get the CPU back last, as some processes of a paused
     // machine do: the reconciler runs first, with every liveness key expired.
     std::thread::sleep(Duration::from_millis(600));
@@ -280,8 +282,11 @@ async fn a_machine_paused_whole_fences_no_live_server() {
         "the crashed server was declared dead {} ms after the machine resumed, before a full grace",
         events[0].1 as i64 - resumed_ms as i64
     );
+    // Seen as its own stall; or, when the pause caught an observation on its way, as a
+    // reply that came too late.
     assert!(
-        reconciler_log.contains("the reconciler did not run for"),
+        reconciler_log.contains("the reconciler did not run for")
+            || reconciler_log.contains("Redis outage"),
         "{reconciler_log}"
     );
 }

@@ -54,11 +54,16 @@
 //!   that Redis stayed reachable; and a host paused whole (a virtual machine, a machine
 //!   that runs Redis, the connection servers and the reconciler together) stops the
 //!   heartbeats too, without a failed call, a slow reply or a clock step to show it.
+//!   A stall after the last observation is caught by the verdict: while the watch runs,
+//!   [`Reachable::time_bound_ms`] counts monotonic time only up to when the watch was due
+//!   to look again. A stall holds this process's verdicts only (it is not stored in the
+//!   shared record): a replica that did not stall saw for itself whether Redis answered.
 //!   `reconcile --once` runs no watch: its observations are as far apart as its work
 //!   puts them.
 //!
 //! `reachable_since` is also stored in `janitor:{guard}:reachable` (the greatest known
-//! value wins), so an outage that one replica saw holds the verdicts of all of them.
+//! value wins), so an outage that one replica saw holds the verdicts of all of them (a
+//! stall excepted, as said above).
 //!
 //! The cost: after any outage, a server that really died is found up to one grace later.
 
@@ -200,8 +205,7 @@ impl Reachable {
     pub async fn hold(&self, conn: &RedisConn) -> Result<Hold> {
         let stale = {
             let t = self.tracker();
-            let pending = t.failures() != t.seen_failures;
-            pending || t.age_ms(self.mono_ms()).is_none_or(|a| a > self.step_ms())
+            t.must_observe() || t.age_ms(self.mono_ms()).is_none_or(|a| a > self.step_ms())
         };
         if stale {
             self.observe(conn).await?;
@@ -259,10 +263,38 @@ impl Reachable {
     /// forward (cause `clock_jump`); within it, the verdict waited in Redis's queue longer
     /// than the tolerance, which cannot be told from a step (cause `failed_calls`, as a
     /// slow answer).
+    ///
+    /// While the watch runs, the bound counts monotonic time only up to when the watch was
+    /// due to look again: a verdict past it, whose TIME is within the bound without that
+    /// limit, while the watch is overdue now and no call has failed since its last
+    /// observation, comes after a stall of this process (cause `stall`; held by this
+    /// process alone, as the watch's own stalls are).
     pub fn verdict_past_bound(&self, redis_ms: u64) {
-        let stepped = self.time_bound_ms().is_none_or(|now| redis_ms > now);
+        let mono = self.mono_ms();
+        let (stepped, overdue) = {
+            let t = self.tracker();
+            let stepped = t
+                .redis_time_bound_unwatched(mono)
+                .is_none_or(|now| redis_ms > now);
+            // Not while calls fail: the watch ran, and the outage it saw explains the late
+            // TIME (the verdict waited in a paused Redis's queue).
+            let failing = t.failures() != t.seen_failures;
+            let overdue = match (t.watch_gap_ms, t.last.as_ref()) {
+                (Some(gap), Some(l)) if !failing => {
+                    let looked = l.received_mono_ms.max(t.attempt_ended_ms.unwrap_or(0));
+                    mono > looked + gap
+                }
+                _ => false,
+            };
+            (stepped, overdue)
+        };
         let (cause, what) = if stepped {
             (Cause::ClockJump, "Redis's clock stepped forward")
+        } else if overdue {
+            (
+                Cause::Stall,
+                "the reconciler did not run when its watch was due",
+            )
         } else {
             (Cause::FailedCalls, "Redis took too long to run it")
         };
@@ -271,7 +303,10 @@ impl Reachable {
 
     /// A verdict found an outage (`cause`, `what`): counted, and logged once per outage.
     fn verdict_held(&self, cause: Cause, what: &str) {
-        let first = self.tracker().failed();
+        let first = match cause {
+            Cause::Stall => self.tracker().stalled(),
+            _ => self.tracker().failed(),
+        };
         self.metrics
             .reconcile_outages
             .with_label_values(&[cause.label()])
@@ -416,6 +451,9 @@ impl Reachable {
         if let Some(record) = out.store {
             self.store(conn, &record).await?;
         }
+        // The attempt ends once its record is stored: the watch's next one is a step
+        // after this.
+        self.tracker().attempt_ended(self.mono_ms());
         self.current();
         Ok(())
     }
@@ -639,11 +677,40 @@ mod tests {
         let out = t.observed(seen(T0 + 6515, 6515, "a", record("a", 0)), 0);
         assert_eq!(out.stalled_ms, Some(5000));
         assert!(!out.clock_jump && !out.slow, "{out:?}");
-        assert_eq!(t.reachable_since_ms(), T0 + 6515);
         assert_eq!(t.hold(6520), Hold::Waiting { remaining_ms: 2000 });
-        assert_eq!(out.store, record("a", T0 + 6515), "shared with the others");
+        assert_eq!(t.reachable_for_ms(6520), 0);
+        // This process's own: another replica that did not stall saw Redis answer, or
+        // not, by itself.
+        assert_eq!(t.reachable_since_ms(), 0);
+        assert_eq!(out.store, None, "not shared");
         assert!(!t.resumed(7000));
         assert!(t.resumed(8520), "verdicts resume a grace later");
+    }
+
+    #[test]
+    fn a_verdict_after_a_stall_since_the_last_observation_is_past_its_bound() {
+        let mut t = Tracker::new(GRACE, 500);
+        t.watching(500);
+        t.observed(seen(T0, 0, "a", record("a", 0)), 0);
+        // Within the watch's step: the monotonic time since the observation counts.
+        assert_eq!(t.redis_time_bound(500), Some(T0 + 500 + 500));
+        // 5 s later, no observation since (the process was stopped right after its
+        // reply): the bound counts only up to when the watch was due, so a verdict reading
+        // Redis's TIME now is past it.
+        assert_eq!(t.redis_time_bound(6000), Some(T0 + 1005 + 500));
+        assert_eq!(t.redis_time_bound_unwatched(6000), Some(T0 + 6000 + 500));
+        assert!(t.stalled(), "the first report");
+        assert!(!t.stalled(), "the same stall");
+        assert!(t.must_observe());
+        assert_eq!(t.hold(6000), Hold::Unreachable);
+        let out = t.observed(seen(T0 + 6010, 6010, "a", record("a", 0)), 0);
+        assert_eq!(out.store, None, "this process's own");
+        assert!(!t.must_observe());
+        assert_eq!(t.hold(6015), Hold::Waiting { remaining_ms: 2000 });
+        // Without a watch (`reconcile --once`) the bound is not limited.
+        let mut t = Tracker::new(GRACE, 500);
+        t.observed(seen(T0, 0, "a", record("a", 0)), 0);
+        assert_eq!(t.redis_time_bound(6000), Some(T0 + 6000 + 500));
     }
 
     #[test]

@@ -146,6 +146,13 @@ pub struct Tracker {
     pub(super) watch_gap_ms: Option<u64>,
     /// When the last attempt to observe ended, succeeded or not (monotonic ms).
     pub(super) attempt_ended_ms: Option<u64>,
+    /// Redis time (unix ms) at which this process last found that it had stalled: its
+    /// own verdicts wait a grace from it. Kept apart from `reachable_since_ms`, which is
+    /// shared: another replica either saw Redis fail to answer meanwhile or stalled and
+    /// saw it itself, so one starved replica holds no one else's verdicts.
+    pub(super) stalled_since_ms: u64,
+    /// A verdict found a stall ([`Tracker::stalled`]) that no observation has seen since.
+    pub(super) stall_pending: bool,
 }
 
 impl Tracker {
@@ -166,6 +173,8 @@ impl Tracker {
             holding: false,
             watch_gap_ms: None,
             attempt_ended_ms: None,
+            stalled_since_ms: 0,
+            stall_pending: false,
         }
     }
 
@@ -242,7 +251,11 @@ impl Tracker {
             }
         }
         let stalled = out.stalled_ms.is_some();
-        if out.after_failures || out.slow || out.restart || out.clock_jump || stalled {
+        if stalled || self.stall_pending {
+            self.stalled_since_ms = now;
+            self.stall_pending = false;
+        }
+        if out.after_failures || out.slow || out.restart || out.clock_jump {
             since = now;
         }
         // A record from the future (Redis's clock stepped back) is not honoured.
@@ -302,9 +315,41 @@ impl Tracker {
     /// then, plus all the monotonic time since it was sent, plus the tolerance (at least
     /// 250 ms). `None`
     /// before any observation.
+    ///
+    /// While a watch runs, the monotonic time counted is at most up to when the watch was
+    /// due to look again (the last reply plus the longest gap it allows): a verdict
+    /// reading a later TIME comes after a stall of this process since the last
+    /// observation, which only the next observation would see, too late for it.
     pub fn redis_time_bound(&self, mono_now_ms: u64) -> Option<u64> {
         let l = self.last.as_ref()?;
+        let until = match self.watch_gap_ms {
+            Some(gap) => mono_now_ms.min(l.received_mono_ms + gap),
+            None => mono_now_ms,
+        };
+        Some(l.redis_ms + until.saturating_sub(l.sent_mono_ms) + self.bound_slack_ms())
+    }
+
+    /// [`Tracker::redis_time_bound`] without the watch's limit: a TIME past the bound but
+    /// within this one is a stall of this process, not a step of Redis's clock.
+    pub fn redis_time_bound_unwatched(&self, mono_now_ms: u64) -> Option<u64> {
+        let l = self.last.as_ref()?;
         Some(l.redis_ms + mono_now_ms.saturating_sub(l.sent_mono_ms) + self.bound_slack_ms())
+    }
+
+    /// This process stalled, as a verdict found ([`Tracker::redis_time_bound`]): no
+    /// verdict until the next observation, and then a grace of this process's own from it.
+    /// True if none was pending (the first report).
+    pub fn stalled(&mut self) -> bool {
+        let first = !self.stall_pending;
+        self.stall_pending = true;
+        self.holding = true;
+        first
+    }
+
+    /// Whether the next verdict must observe Redis first: a call failed, or a verdict
+    /// found a stall, since the last observation.
+    pub fn must_observe(&self) -> bool {
+        self.failures != self.seen_failures || self.stall_pending
     }
 
     /// The slack of [`Tracker::redis_time_bound`]: the tolerance, at least 250 ms.
@@ -314,13 +359,14 @@ impl Tracker {
 
     /// May verdicts on silent servers be taken at monotonic time `mono_now_ms`?
     pub fn hold(&self, mono_now_ms: u64) -> Hold {
-        if self.failures != self.seen_failures {
+        if self.must_observe() {
             return Hold::Unreachable;
         }
         let Some(now) = self.redis_now(mono_now_ms) else {
             return Hold::Unreachable;
         };
-        let until = self.reachable_since_ms.saturating_add(self.grace_ms);
+        let since = self.reachable_since_ms.max(self.stalled_since_ms);
+        let until = since.saturating_add(self.grace_ms);
         if now < until {
             Hold::Waiting {
                 remaining_ms: until - now,
@@ -347,14 +393,18 @@ impl Tracker {
     /// How long Redis has been reachable without a break, as far as known: since the
     /// last outage, or since Redis started. 0 while unreachable.
     pub fn reachable_for_ms(&self, mono_now_ms: u64) -> u64 {
-        if self.failures != self.seen_failures {
+        if self.must_observe() {
             return 0;
         }
         let (Some(now), Some(l)) = (self.redis_now(mono_now_ms), self.last.as_ref()) else {
             return 0;
         };
         let started = l.uptime_ms.map_or(0, |up| l.redis_ms.saturating_sub(up));
-        now.saturating_sub(self.reachable_since_ms.max(started))
+        now.saturating_sub(
+            self.reachable_since_ms
+                .max(started)
+                .max(self.stalled_since_ms),
+        )
     }
 
     /// The current stretch's start (Redis time, unix ms; 0 for none known).
