@@ -430,10 +430,15 @@ async fn members_that_break_the_connection_id_rule_are_not_entries() {
     let f = Fixture::new(Layout::Conns);
     let dead = server("gw-dead#1");
     let long = "x".repeat(300);
+    // The longest connection id the rule allows, and one byte more.
+    let (longest, over) = ("y".repeat(200), "z".repeat(201));
     let mut pipe = redis::pipe();
     for (connection, user) in [
         (long.as_bytes(), &b"bob"[..]),
         (b"c\xff", b"eve"),
+        (b"c{x}", b"frank"),
+        (over.as_bytes(), b"dave"),
+        (longest.as_bytes(), b"carol"),
         (b"phone", b"alice"),
     ] {
         let mut member = connection.to_vec();
@@ -457,12 +462,19 @@ async fn members_that_break_the_connection_id_rule_are_not_entries() {
     .await
     .expect("the cleanup finishes")
     .unwrap();
-    assert_eq!(
-        keys_of_user(&f, b"alice").await,
-        0,
-        "the valid connection is cleaned"
-    );
-    for (user, field) in [(&b"bob"[..], long.as_bytes()), (b"eve", b"c\xff")] {
+    for user in [&b"alice"[..], b"carol"] {
+        assert_eq!(
+            keys_of_user(&f, user).await,
+            0,
+            "the valid connection is cleaned"
+        );
+    }
+    for (user, field) in [
+        (&b"bob"[..], long.as_bytes()),
+        (b"eve", b"c\xff"),
+        (b"frank", b"c{x}"),
+        (b"dave", over.as_bytes()),
+    ] {
         let left: Option<String> = f
             .query(redis::cmd("HGET").arg(f.keys.user_conns(user)).arg(field))
             .await;

@@ -703,7 +703,11 @@ mod tests {
         assert!(!t.stalled(), "the same stall");
         assert!(t.must_observe());
         assert_eq!(t.hold(6000), Hold::Unreachable);
+        // The watch ran again just before (so the next observation is no stall of its
+        // own): the pending stall alone starts the grace.
+        t.attempt_ended(5990);
         let out = t.observed(seen(T0 + 6010, 6010, "a", record("a", 0)), 0);
+        assert_eq!(out.stalled_ms, None);
         assert_eq!(out.store, None, "this process's own");
         assert!(!t.must_observe());
         assert_eq!(t.hold(6015), Hold::Waiting { remaining_ms: 2000 });
