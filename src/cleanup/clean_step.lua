@@ -193,10 +193,10 @@ end
 -- member, no call per member but Redis's): what owners_of, delete_forward and
 -- announce_members do for this layout, at a fraction of the Lua work per member (which
 -- cost Redis more than the HGET and the HDEL themselves, under callgrind). A member is
--- split at its first space, its connection id held to the rule of is_conn_id
--- (owners.lua), as conn_parts does: a member that is not one of this layout has no
--- entry. Per batch the reads come first, then the deletes of the entries that name S,
--- as check_delete does. Returns the entries deleted and kept.
+-- split by CONN_MEMBER and CONN_ID_MAX (owners.lua), as conn_parts does: a member that
+-- is not one of this layout has no entry. Per batch the reads come first, then the
+-- deletes of the entries that name S, as check_delete does. Returns the entries deleted
+-- and kept.
 local function check_delete_conns(members)
   local match, pcall_, call = string.match, redis.pcall, redis.call
   local deleted, kept = 0, 0
@@ -207,10 +207,8 @@ local function check_delete_conns(members)
     local last = math.min(first + BATCH - 1, #members)
     local batch_start = d + 1
     for i = first, last do
-      -- One match splits and checks: the connection id is the run of allowed bytes at
-      -- the start, and the byte after it must be a space (so it is the first space).
-      local connection, user = match(members[i], '^([!-z|~]+) (.*)$')
-      if connection and #connection <= 200 then
+      local connection, user = match(members[i], CONN_MEMBER)
+      if connection and #connection <= CONN_ID_MAX then
         local key = user_prefix .. '{' .. user .. '}:conns'
         -- A key of another type is no entry of this layout (MGET reads it so too).
         local owner = pcall_('HGET', key, connection)

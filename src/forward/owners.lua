@@ -10,12 +10,17 @@ local BATCH = 1000
 -- flat tables by member: no table per member.
 local CONN_ID, CONN_USER, CONN_KEY = {}, {}, {}
 
--- Whether `c` keeps the rule of connection (and server) ids: 1 to 200 bytes of printable
--- ASCII without whitespace or braces ('!' to '~' but '{' and '}'). clean_step.lua's
--- check_delete_conns applies the same rule (and conn_parts's split) in one pattern
--- match: a change here goes there too.
+-- The rule of connection (and server) ids: 1 to CONN_ID_MAX bytes of printable ASCII
+-- without whitespace or braces ('!' to '~' but '{' and '}'). CONN_MEMBER splits a member
+-- and checks its connection id in one match: the id is the run of allowed bytes at the
+-- start, and the byte after it must be a space (so it is the first space); the user id
+-- is the rest. Only the length is left to check.
+local CONN_ID_MAX = 200
+local CONN_MEMBER = '^([!-z|~]+) (.*)$'
+
+-- Whether `c` keeps the rule of connection ids.
 local function is_conn_id(c)
-  return #c >= 1 and #c <= 200 and not string.find(c, '[^!-z|~]')
+  return #c >= 1 and #c <= CONN_ID_MAX and not string.find(c, '[^!-z|~]')
 end
 
 -- The connection id and the user id of `member`, or nil for a member that is not one of
@@ -24,10 +29,10 @@ end
 local function conn_parts(member)
   local connection = CONN_ID[member]
   if connection == nil then
-    local at = string.find(member, ' ', 1, true)
-    if at and at > 1 and is_conn_id(string.sub(member, 1, at - 1)) then
-      connection = string.sub(member, 1, at - 1)
-      CONN_USER[member] = string.sub(member, at + 1)
+    local c, user = string.match(member, CONN_MEMBER)
+    if c and #c <= CONN_ID_MAX then
+      connection = c
+      CONN_USER[member] = user
     else
       connection = false
     end

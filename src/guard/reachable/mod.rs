@@ -278,15 +278,7 @@ impl Reachable {
                 .is_none_or(|now| redis_ms > now);
             // Not while calls fail: the watch ran, and the outage it saw explains the late
             // TIME (the verdict waited in a paused Redis's queue).
-            let failing = t.failures() != t.seen_failures;
-            let overdue = match (t.watch_gap_ms, t.last.as_ref()) {
-                (Some(gap), Some(l)) if !failing => {
-                    let looked = l.received_mono_ms.max(t.attempt_ended_ms.unwrap_or(0));
-                    mono > looked + gap
-                }
-                _ => false,
-            };
-            (stepped, overdue)
+            (stepped, t.watch_overdue(mono))
         };
         let (cause, what) = if stepped {
             (Cause::ClockJump, "Redis's clock stepped forward")

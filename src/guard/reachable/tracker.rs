@@ -239,9 +239,9 @@ impl Tracker {
         // allows, this process cannot tell that Redis stayed reachable, nor that the
         // servers could heartbeat meanwhile (a paused machine stops them all, and they
         // and Redis may come back before or after this process).
-        if let (Some(limit), Some(ended)) = (self.watch_gap_ms, self.attempt_ended_ms) {
-            let gap = seen.sent_mono_ms.saturating_sub(ended);
-            out.stalled_ms = (gap > limit && !out.after_failures).then_some(gap);
+        if let (Some(due), Some(ended)) = (self.watch_due_ms(), self.attempt_ended_ms) {
+            out.stalled_ms =
+                (seen.sent_mono_ms > due && !out.after_failures).then(|| seen.sent_mono_ms - ended);
         }
         let mut since = self.reachable_since_ms;
         if seen.record.is_none() && seen.loaded_from_disk {
@@ -321,12 +321,10 @@ impl Tracker {
     /// reading a later TIME comes after a stall of this process since the last
     /// observation, which only the next observation would see, too late for it.
     pub fn redis_time_bound(&self, mono_now_ms: u64) -> Option<u64> {
-        let l = self.last.as_ref()?;
-        let until = match self.watch_gap_ms {
-            Some(gap) => mono_now_ms.min(l.received_mono_ms + gap),
-            None => mono_now_ms,
-        };
-        Some(l.redis_ms + until.saturating_sub(l.sent_mono_ms) + self.bound_slack_ms())
+        let until = self
+            .watch_due_ms()
+            .map_or(mono_now_ms, |d| mono_now_ms.min(d));
+        self.redis_time_bound_unwatched(until)
     }
 
     /// [`Tracker::redis_time_bound`] without the watch's limit: a TIME past the bound but
@@ -334,6 +332,25 @@ impl Tracker {
     pub fn redis_time_bound_unwatched(&self, mono_now_ms: u64) -> Option<u64> {
         let l = self.last.as_ref()?;
         Some(l.redis_ms + mono_now_ms.saturating_sub(l.sent_mono_ms) + self.bound_slack_ms())
+    }
+
+    /// While a watch runs: the monotonic time (ms) by which its next attempt to observe
+    /// starts, unless this process stalls (the last attempt's end plus the longest gap
+    /// the watch allows).
+    fn watch_due_ms(&self) -> Option<u64> {
+        Some(self.attempt_ended_ms? + self.watch_gap_ms?)
+    }
+
+    /// Whether, at monotonic `mono_now_ms`, the watch is past its due time with no call
+    /// failed since its last observation (failing attempts explain a late watch): this
+    /// process stalled.
+    pub fn watch_overdue(&self, mono_now_ms: u64) -> bool {
+        !self.failing() && self.watch_due_ms().is_some_and(|d| mono_now_ms > d)
+    }
+
+    /// A call failed since the last observation.
+    fn failing(&self) -> bool {
+        self.failures != self.seen_failures
     }
 
     /// This process stalled, as a verdict found ([`Tracker::redis_time_bound`]): no
@@ -349,7 +366,7 @@ impl Tracker {
     /// Whether the next verdict must observe Redis first: a call failed, or a verdict
     /// found a stall, since the last observation.
     pub fn must_observe(&self) -> bool {
-        self.failures != self.seen_failures || self.stall_pending
+        self.failing() || self.stall_pending
     }
 
     /// The slack of [`Tracker::redis_time_bound`]: the tolerance, at least 250 ms.

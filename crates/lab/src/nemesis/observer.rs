@@ -811,15 +811,24 @@ impl Observer {
             .find(|e| !group.acked(e.id) && e.id.0 + deadline < now_ms)
     }
 
+    /// Whether `s` died longer than the deadline ago and its server.dead is not
+    /// acknowledged.
+    fn late_dead(&self, s: &super::fleet::Server) -> bool {
+        s.state == State::Dead
+            && s.died
+                .is_some_and(|d| d.elapsed() > self.fleet.params.deadline)
+            && !self.acked_set.contains(&s.id)
+    }
+
     /// Whether anything waits past the deadline (an event, or a dead server).
     fn past_deadline(&self, group: &Group) -> bool {
-        let deadline = self.fleet.params.deadline;
         self.late_event(group).is_some()
-            || self.fleet.truth().servers.values().any(|s| {
-                s.state == State::Dead
-                    && s.died.is_some_and(|d| d.elapsed() > deadline)
-                    && !self.acked_set.contains(&s.id)
-            })
+            || self
+                .fleet
+                .truth()
+                .servers
+                .values()
+                .any(|s| self.late_dead(s))
     }
 
     /// Nothing waits past the deadline: no event unacknowledged, no dead server
@@ -855,11 +864,7 @@ impl Observer {
             );
         }
         let t = self.fleet.truth();
-        let late = t.servers.values().find(|s| {
-            s.state == State::Dead
-                && s.died.is_some_and(|d| d.elapsed() > deadline)
-                && !self.acked_set.contains(&s.id)
-        });
+        let late = t.servers.values().find(|s| self.late_dead(s));
         if let Some(s) = late {
             let about = t.describe_server(&s.id);
             let id = s.id.clone();
