@@ -1,6 +1,6 @@
 //! The command line of `registry-janitor-lab`: `demo`, `bench`, `nemesis`, and the hidden
-//! `worker`, `reconcile` and `bench-probe` that the benchmark and the nemesis start as
-//! processes of their own (and `heartbeats`, which a test starts). The settings flags are the service's
+//! `worker`, `reconcile`, `bench-probe` and `busy` that the benchmark and the nemesis start
+//! as processes of their own (and `heartbeats`, which a test starts). The settings flags are the service's
 //! ([`registry_janitor::service::SettingsFlags`]).
 
 use std::path::PathBuf;
@@ -45,6 +45,10 @@ pub enum Command {
     /// pauses them with Redis and the janitor (internal).
     #[command(hide = true)]
     Heartbeats(HeartbeatOptions),
+    /// Keeps one core busy until killed: another process's load beside `bench --zone
+    /// --busy-cores` (internal).
+    #[command(hide = true)]
+    Busy,
 }
 
 /// The servers of `heartbeats` and their timing.
@@ -248,6 +252,11 @@ pub struct BenchOptions {
     /// setting. Makes a difference on a cluster with replicas (`--cluster-replicas`).
     #[arg(long, value_delimiter = ',')]
     pub replica_waits: Vec<bool>,
+    /// Zone: run once per count of this list (e.g. 0,1), with that many cores kept busy by
+    /// processes of their own (`registry-janitor-lab busy`, a spinning loop at normal
+    /// priority) through both the zone and the single-server runs; default: 0.
+    #[arg(long, value_delimiter = ',')]
+    pub busy_cores: Vec<usize>,
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,

@@ -67,6 +67,7 @@ async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
             service::reconcile(&settings, false, service::shutdown_on_signals()).await
         }
         Command::Heartbeats(options) => heartbeats::run(&settings, &options).await,
+        Command::Busy => bench::zone::busy::spin(),
     }
 }
 

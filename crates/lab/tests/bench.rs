@@ -164,15 +164,49 @@ fn bench_verifies_every_run_on_a_local_cluster() {
 
 /// A small `bench --zone` as a correctness check (no timing assertions): several servers
 /// die at once, two worker processes clean them (limiter off, then on, in both step
-/// orders), and each run verifies the registry clean, the moved users kept and every
-/// event acknowledged; the probe process measured lookups during the cleanup.
+/// orders, with no core and with one core kept busy by another process), and each run
+/// verifies the registry clean, the moved users kept and every event acknowledged; the
+/// probe process measured lookups during the cleanup. No busy process outlives the bench.
 #[test]
 fn bench_zone_verifies_every_run() {
-    bench_zone(
+    let report = bench_zone(
         Layout::Hash,
-        &["--step-orders", "smallest_first,round_robin"],
-        4,
+        &[
+            "--step-orders",
+            "smallest_first,round_robin",
+            "--busy-cores",
+            "0,1",
+        ],
+        8,
     );
+    let busy: Vec<u64> = report["settings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["busy_cores"].as_u64().unwrap())
+        .collect();
+    assert_eq!(busy, [0, 1, 0, 1, 0, 1, 0, 1], "{report}");
+    assert_eq!(report["cluster_masters"], 0, "{report}");
+    let left = busy_processes();
+    assert!(left.is_empty(), "busy processes left running: {left:?}");
+}
+
+/// The processes of this build's `registry-janitor-lab busy` that are running.
+fn busy_processes() -> Vec<String> {
+    let exe = std::path::Path::new(env!("CARGO_BIN_EXE_registry-janitor-lab"));
+    let exe = exe.canonicalize().unwrap_or(exe.to_path_buf());
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
+        let runs_exe = std::fs::read_link(entry.path().join("exe")).is_ok_and(|e| e == exe);
+        if runs_exe && args.get(1) == Some(&&b"busy"[..]) {
+            found.push(entry.file_name().to_string_lossy().into_owned());
+        }
+    }
+    found
 }
 
 /// The same on a private local cluster (`--local-cluster`) whose masters have a replica

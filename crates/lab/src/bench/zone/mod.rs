@@ -15,9 +15,11 @@
 //!
 //! `--latency-targets`, `--step-orders` and `--replica-waits` sweep settings (passed to
 //! the workers as `JANITOR_LATENCY_TARGET_MS`, `JANITOR_STEP_ORDER` and
-//! `JANITOR_CLUSTER_REPLICA_WAIT`), `--repeat` repeats each, and
+//! `JANITOR_CLUSTER_REPLICA_WAIT`), `--busy-cores` sweeps other load on the machine
+//! (processes that each keep a core busy), `--repeat` repeats each, and
 //! `--worker-exe` runs the workers from a given `registry-janitor` binary.
 
+pub mod busy;
 mod measure;
 mod once;
 mod scene;
@@ -94,6 +96,8 @@ pub struct Knobs {
     pub step_order: String,
     /// `cluster_replica_wait`.
     pub replica_wait: bool,
+    /// Cores kept busy by other processes through the run (`--busy-cores`).
+    pub busy_cores: usize,
 }
 
 /// One setting of the sweep: the zone and the single server, medians of `--repeat`.
@@ -120,6 +124,8 @@ pub struct ZoneReport {
     pub chunk_size: usize,
     pub chunks_in_flight: usize,
     pub worker_exe: String,
+    /// Masters of the private local cluster the runs were on; 0: one redis-server.
+    pub cluster_masters: usize,
     pub settings: Vec<ZoneSetting>,
 }
 
@@ -178,6 +184,11 @@ pub async fn run(settings: &Settings, options: &Options, worker_exe: &Path) -> R
     } else {
         options.replica_waits.clone()
     };
+    let busy = if options.busy_cores.is_empty() {
+        vec![0]
+    } else {
+        options.busy_cores.clone()
+    };
     let b = ZoneBench {
         settings: &settings,
         conn: &conn,
@@ -191,17 +202,21 @@ pub async fn run(settings: &Settings, options: &Options, worker_exe: &Path) -> R
     for &latency_target_ms in &targets {
         for step_order in &orders {
             for &replica_wait in &waits {
-                combos.push(Knobs {
-                    latency_target_ms,
-                    step_order: step_order.clone(),
-                    replica_wait,
-                });
+                for &busy_cores in &busy {
+                    combos.push(Knobs {
+                        latency_target_ms,
+                        step_order: step_order.clone(),
+                        replica_wait,
+                        busy_cores,
+                    });
+                }
             }
         }
     }
     let mut repeats: Vec<Vec<ZoneRun>> = vec![Vec::new(); combos.len()];
     for _ in 0..options.repeat.max(1) {
         for (i, knobs) in combos.iter().enumerate() {
+            let _busy = busy::Busy::start(knobs.busy_cores)?;
             repeats[i].push(b.run_once("zone", zone, options.workers, knobs).await?);
             repeats[i].push(b.run_once("single", 1, 1, knobs).await?);
         }
@@ -221,6 +236,11 @@ pub async fn run(settings: &Settings, options: &Options, worker_exe: &Path) -> R
         chunk_size: settings.chunk_size,
         chunks_in_flight: settings.chunks_in_flight,
         worker_exe: worker_exe.display().to_string(),
+        cluster_masters: if options.local_cluster {
+            options.cluster_masters
+        } else {
+            0
+        },
         settings: out,
     })
 }
@@ -230,10 +250,11 @@ fn setting(knobs: Knobs, repeats: Vec<ZoneRun>) -> ZoneSetting {
     let zone = median(&repeats, "zone");
     let single = median(&repeats, "single");
     eprintln!(
-        "latency_target_ms {}, step_order {}, cluster_replica_wait {}: zone {:.0} users/s, lookup p99 {} us, max {} us; single {:.0} users/s",
+        "latency_target_ms {}, step_order {}, cluster_replica_wait {}, busy cores {}: zone {:.0} users/s, lookup p99 {} us, max {} us; single {:.0} users/s",
         knobs.latency_target_ms,
         knobs.step_order,
         knobs.replica_wait,
+        knobs.busy_cores,
         zone.users_per_second,
         zone.lookup_p99_us,
         zone.lookup_max_us,

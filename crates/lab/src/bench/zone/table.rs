@@ -6,9 +6,13 @@ use super::ZoneReport;
 
 impl fmt::Display for ZoneReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let on = match self.cluster_masters {
+            0 => "one node".to_owned(),
+            masters => format!("a local cluster of {masters} masters"),
+        };
         writeln!(
             f,
-            "redis {} | zone of {} servers x {} users | {} workers x concurrency {} x chunks_in_flight {} | chunk_size {}",
+            "redis {} on {on} | zone of {} servers x {} users | {} workers x concurrency {} x chunks_in_flight {} | chunk_size {}",
             self.redis_version,
             self.servers,
             self.users_per_server,
@@ -21,18 +25,19 @@ impl fmt::Display for ZoneReport {
         writeln!(f, "{}", self.calibration)?;
         writeln!(
             f,
-            "{:>6} {:<14} {:<4} {:<6} {:>9} {:>10} {:>8} {:>8} {:>8} {:>9} {:>9} {:>9} {:>8} {:>8} {:>6} {:>5} {:>5}",
-            "target", "order", "wait", "run", "users", "users/s", "p50 us", "p99 us", "max us",
+            "{:>6} {:<14} {:<4} {:>4} {:<6} {:>9} {:>10} {:>8} {:>8} {:>8} {:>9} {:>9} {:>9} {:>8} {:>8} {:>6} {:>5} {:>5}",
+            "target", "order", "wait", "busy", "run", "users", "users/s", "p50 us", "p99 us", "max us",
             "win p50", "win p99", "win mean", "rss MiB", "cpu s/M", "acked", "stale", "lost"
         )?;
         for s in &self.settings {
             for r in [&s.zone, &s.single] {
                 writeln!(
                     f,
-                    "{:>6} {:<14} {:<4} {:<6} {:>9} {:>10.0} {:>8} {:>8} {:>8} {:>8.0}ms {:>7.0}ms {:>7.0}ms {:>8.1} {:>8.2} {:>6} {:>5} {:>5}",
+                    "{:>6} {:<14} {:<4} {:>4} {:<6} {:>9} {:>10.0} {:>8} {:>8} {:>8} {:>8.0}ms {:>7.0}ms {:>7.0}ms {:>8.1} {:>8.2} {:>6} {:>5} {:>5}",
                     s.knobs.latency_target_ms,
                     s.knobs.step_order,
                     wait(s.knobs.replica_wait),
+                    s.knobs.busy_cores,
                     r.name,
                     r.users,
                     r.users_per_second,
@@ -51,10 +56,11 @@ impl fmt::Display for ZoneReport {
             }
             writeln!(
                 f,
-                "{:>6} {:<14} {:<4} throughput vs one server alone: {:.2}x; lookups with Redis idle (the machine's floor): p50 {} us, p99 {} us, max {} us",
+                "{:>6} {:<14} {:<4} {:>4} throughput vs one server alone: {:.2}x; lookups with Redis idle (the machine's floor): p50 {} us, p99 {} us, max {} us",
                 s.knobs.latency_target_ms,
                 s.knobs.step_order,
                 wait(s.knobs.replica_wait),
+                s.knobs.busy_cores,
                 s.throughput_vs_single,
                 s.zone.idle_lookup_p50_us,
                 s.zone.idle_lookup_p99_us,
@@ -62,20 +68,25 @@ impl fmt::Display for ZoneReport {
             )?;
             writeln!(
                 f,
-                "{:>6} {:<14} {:<4} slowest command in Redis while the zone was cleaned: {} us ({}), {} over 5 ms",
+                "{:>6} {:<14} {:<4} {:>4} slowest command in Redis while the zone was cleaned: {} us ({}), {} over 5 ms",
                 s.knobs.latency_target_ms,
                 s.knobs.step_order,
                 wait(s.knobs.replica_wait),
+                s.knobs.busy_cores,
                 s.zone.redis_slowest_us,
                 s.zone.redis_slowest_command,
                 s.zone.redis_commands_over_5ms
             )?;
+            if self.cluster_masters == 0 {
+                continue; // one node: no replica wait
+            }
             writeln!(
                 f,
-                "{:>6} {:<14} {:<4} time in the replica wait, of the cleanups' time: zone {:.2}% ({:.3} s of {:.3} s), single {:.2}% ({:.3} s of {:.3} s)",
+                "{:>6} {:<14} {:<4} {:>4} time in the replica wait, of the cleanups' time: zone {:.2}% ({:.3} s of {:.3} s), single {:.2}% ({:.3} s of {:.3} s)",
                 s.knobs.latency_target_ms,
                 s.knobs.step_order,
                 wait(s.knobs.replica_wait),
+                s.knobs.busy_cores,
                 s.zone.replica_wait_share * 100.0,
                 s.zone.replica_wait_seconds,
                 s.zone.cleanup_seconds,
