@@ -24,7 +24,7 @@ use registry_janitor::{
     keys::Keys,
     registry::Registry,
 };
-use registry_janitor_testkit::RedisSentinels;
+use registry_janitor_testkit::{wait_for, RedisSentinels};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -162,19 +162,6 @@ async fn damage(registry: &Registry, conn: &RedisConn, keys: &Keys) -> (usize, u
         lost += USERS - still_pointing(registry, conn, &s, USERS).await;
     }
     (fenced, lost)
-}
-
-/// Polls `check` until true, or fails with `what` after `timeout`.
-async fn wait_for<F, Fut>(what: &str, timeout: Duration, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + timeout;
-    while !check().await {
-        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 /// Waits until `conn` answers again (its first command after an outage may fail while

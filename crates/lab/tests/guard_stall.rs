@@ -27,7 +27,7 @@ use registry_janitor::{
     keys::Keys,
     registry::Registry,
 };
-use registry_janitor_testkit::RedisServer;
+use registry_janitor_testkit::{wait_for, RedisServer};
 
 const GRACE_MS: u64 = 2_000;
 const LIVE: usize = 20;
@@ -119,19 +119,6 @@ fn heartbeats(settings: &Settings, servers: &[String]) -> Proc {
         cmd.args(["--server", s]);
     }
     Proc::start(cmd)
-}
-
-/// Polls `check` until true, or fails with `what` after `timeout`.
-async fn wait_for<F, Fut>(what: &str, timeout: Duration, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + timeout;
-    while !check().await {
-        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 /// The servers of the `server.dead` events on the stream, with each event's Redis time.

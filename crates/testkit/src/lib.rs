@@ -27,6 +27,22 @@ pub fn cannot_run(why: &str) {
     eprintln!("SKIPPED: {why}");
 }
 
+/// Polls `check` every 50 ms until it is true; panics naming `what` after `timeout`.
+pub async fn wait_for<F, Fut>(what: &str, timeout: std::time::Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = std::time::Instant::now() + timeout;
+    while !check().await {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for: {what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
 /// The value of one sample in a Prometheus text exposition (`name{labels}` as written),
 /// e.g. of a worker's `/metrics`.
 pub fn sample(exposition: &str, series: &str) -> Option<f64> {
