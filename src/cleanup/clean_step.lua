@@ -79,6 +79,10 @@ end
 local users_key, walking_key, moved_key = KEYS[1], KEYS[2], KEYS[3]
 local progress_key, servers_key, registry_key, events_key = KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local server, count, user_prefix = ARGV[1], tonumber(ARGV[2]), ARGV[4]
+-- The chunk size as the commands get it: ARGV[2] itself when it is the digits Redis makes
+-- of the number (no sign, no leading zero, at most 9 digits), which spares turning a Lua
+-- number into a string in each command; else the number.
+if count and string.find(ARGV[2], '^[1-9]%d?%d?%d?%d?%d?%d?%d?%d?$') then count = ARGV[2] end
 local layout = ARGV[3]
 local mode = ARGV[5]
 local evictions, event_id = KEYS[9], ARGV[8] or ''
@@ -91,16 +95,16 @@ if not in_use then
   return redis.error_reply('ERR ' .. KEYS[8] .. ' holds ' .. in_use_value .. ', not a format number')
 end
 -- The progress record's fields this step uses, read once: what the step writes back it
--- keeps here too, so it never reads what it wrote.
-local RECORD_FIELDS = {'format', 'walk_cursor', 'walk_run_id', 'scanned', 'evicted', 'kept'}
-local record, recorded = {}, false
-local values = redis.call('HMGET', progress_key, unpack(RECORD_FIELDS))
-for i = 1, #RECORD_FIELDS do
-  if values[i] then
-    record[RECORD_FIELDS[i]] = values[i]
-    recorded = true
-  end
-end
+-- keeps here too, so it never reads what it wrote (an absent field is nil; the
+-- constructor makes the table at its full size).
+local values = redis.call('HMGET', progress_key, 'format', 'walk_cursor', 'walk_run_id',
+  'scanned', 'evicted', 'kept')
+local record = {
+  format = values[1] or nil, walk_cursor = values[2] or nil, walk_run_id = values[3] or nil,
+  scanned = values[4] or nil, evicted = values[5] or nil, kept = values[6] or nil,
+}
+local recorded = (values[1] or values[2] or values[3] or values[4] or values[5] or values[6])
+  and true or false
 -- A record may hold none of them (only `last_error`, record_failure.lua).
 if not recorded then recorded = redis.call('EXISTS', progress_key) == 1 end
 -- The format the record is in: a record without the field (or not written yet) is in
@@ -109,13 +113,13 @@ local stamp = 1
 if recorded then
   stamp = tonumber(record.format or '1') or 0
 end
-local works = 'this worker works under formats ' .. build_min .. ' to ' .. build_format
 if in_use > build_format or in_use < build_min then
-  return redis.error_reply('FORMAT format ' .. in_use .. ' is in use; ' .. works)
+  return redis.error_reply('FORMAT format ' .. in_use .. ' is in use; this worker works under'
+    .. ' formats ' .. build_min .. ' to ' .. build_format)
 end
 if recorded and (stamp > build_format or stamp < build_min) then
   return redis.error_reply('FORMAT the cleanup of ' .. server .. ' was written under format '
-    .. stamp .. '; ' .. works)
+    .. stamp .. '; this worker works under formats ' .. build_min .. ' to ' .. build_format)
 end
 -- Writes `pairs_` (field, value, ...) to the progress record in one HSET, with the
 -- format in use when the record says another (the stamp goes only where the step writes
@@ -140,11 +144,13 @@ if check then return check end
 local run_id
 if mode == 'scan' then
   local info = redis.pcall('INFO', 'server')
-  -- A plain search (no pattern) for the field, then its 40 hex digits.
+  -- A plain search (no pattern) for the field, then its 40 hex digits (a pattern anchored
+  -- where they start).
   local at = type(info) == 'string' and string.find(info, 'run_id:', 1, true)
-  if at then
+  if at and string.find(info,
+    '^%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x',
+    at + 7) then
     run_id = string.sub(info, at + 7, at + 46)
-    if #run_id ~= 40 or string.find(run_id, '[^%x]') then run_id = nil end
   end
   if not run_id then mode = 'pop' end
 end
@@ -175,16 +181,15 @@ end
 -- a delete), so that out of memory they are let through, and never on a finished
 -- cleanup's record. Returns `deleted` and `kept`.
 local function record_totals(deleted, kept)
-  local totals = {}
-  if deleted > 0 then
-    record.evicted = counter('evicted') + deleted
-    totals[#totals + 1], totals[#totals + 2] = 'evicted', record.evicted
+  if deleted > 0 then record.evicted = counter('evicted') + deleted end
+  if kept > 0 then record.kept = counter('kept') + kept end
+  if deleted > 0 and kept > 0 then
+    write_record({'evicted', record.evicted, 'kept', record.kept})
+  elseif deleted > 0 then
+    write_record({'evicted', record.evicted})
+  elseif kept > 0 then
+    write_record({'kept', record.kept})
   end
-  if kept > 0 then
-    record.kept = counter('kept') + kept
-    totals[#totals + 1], totals[#totals + 2] = 'kept', record.kept
-  end
-  if #totals > 0 then write_record(totals) end
   return deleted, kept
 end
 
@@ -303,11 +308,12 @@ else
   members = scan[2]
   walked = scan[1] == '0'
   -- The cursor and the count walked, in one HSET (the step's first write).
-  local progress = {'scanned', counter('scanned') + #members}
-  if not walked then
-    progress[3], progress[4], progress[5], progress[6] = 'walk_cursor', scan[1], 'walk_run_id', run_id
+  local scanned = counter('scanned') + #members
+  if walked then
+    write_record({'scanned', scanned})
+  else
+    write_record({'scanned', scanned, 'walk_cursor', scan[1], 'walk_run_id', run_id})
   end
-  write_record(progress)
 end
 local deleted, kept = check_delete(members)
 
