@@ -157,24 +157,30 @@ end
 
 -- The members of members[first..] whose owner (owners[i], for members[first + i - 1]) is
 -- S: nil when all are (the common case: no list is made, the range is the answer), else
--- a list of them; then how many owners name another server.
-local function doomed_of(members, first, owners)
+-- a list of them; then how many owners name another server; then, given `keys` (layout
+-- keys: the entries' keys, keys[i] for owners[i]), the list of the doomed ones' keys.
+local function doomed_of(members, first, owners, keys)
   local n = #owners
   local i = 1
   while i <= n and owners[i] == server do i = i + 1 end
   if i > n then return nil, 0 end
   local doomed, d, kept = {}, i - 1, 0
+  local doomed_keys = keys and {}
   for j = 1, d do doomed[j] = members[first + j - 1] end
+  if keys then
+    for j = 1, d do doomed_keys[j] = keys[j] end
+  end
   for j = i, n do
     local owner = owners[j]
     if owner == server then
       d = d + 1
       doomed[d] = members[first + j - 1]
+      if keys then doomed_keys[d] = keys[j] end
     elseif owner then
       kept = kept + 1
     end
   end
-  return doomed, kept
+  return doomed, kept, doomed_keys
 end
 
 -- Totals for `server.cleaned`, in one HSET. Only after a write of this step (a pop or
@@ -240,13 +246,15 @@ local function check_delete(members)
   local evicted = {}
   for first = 1, #members, BATCH do
     local last = math.min(first + BATCH - 1, #members)
-    local owners = owners_of(members, first, last, layout, registry_key, user_prefix)
-    local doomed, others = doomed_of(members, first, owners)
+    local owners, keys = owners_of(members, first, last, layout, registry_key, user_prefix)
+    local doomed, others, doomed_keys = doomed_of(members, first, owners, keys)
     kept = kept + others
     if not doomed then
-      deleted = deleted + delete_forward(members, layout, registry_key, user_prefix, first, last)
+      deleted = deleted + delete_forward(members, layout, registry_key, user_prefix, first, last,
+        keys)
     else
-      deleted = deleted + delete_forward(doomed, layout, registry_key, user_prefix)
+      deleted = deleted + delete_forward(doomed, layout, registry_key, user_prefix, nil, nil,
+        doomed_keys)
     end
     if #members <= BATCH then
       evicted = doomed or members -- one batch: its doomed are all the step's
