@@ -71,18 +71,25 @@ local started = redis.call('TIME')
 TIME_READ = started -- the evictions entries' instant (announce.lua)
 local function elapsed_us()
   local now = redis.call('TIME')
+  local us = tonumber(now[2]) - tonumber(started[2])
+  -- The seconds are parsed only when they differ (a step mostly ends in the second it
+  -- started).
+  if now[1] ~= started[1] then
+    us = us + (tonumber(now[1]) - tonumber(started[1])) * 1000000
+  end
   -- TIME is the wall clock: never negative if it is stepped back during the script.
-  return math.max(0, (tonumber(now[1]) - tonumber(started[1])) * 1000000
-    + tonumber(now[2]) - tonumber(started[2]))
+  return math.max(0, us)
 end
 
 local users_key, walking_key, moved_key = KEYS[1], KEYS[2], KEYS[3]
 local progress_key, servers_key, registry_key, events_key = KEYS[4], KEYS[5], KEYS[6], KEYS[7]
-local server, count, user_prefix = ARGV[1], tonumber(ARGV[2]), ARGV[4]
+local server, count, user_prefix = ARGV[1], ARGV[2], ARGV[4]
 -- The chunk size as the commands get it: ARGV[2] itself when it is the digits Redis makes
 -- of the number (no sign, no leading zero, at most 9 digits), which spares turning a Lua
 -- number into a string in each command; else the number.
-if count and string.find(ARGV[2], '^[1-9]%d?%d?%d?%d?%d?%d?%d?%d?$') then count = ARGV[2] end
+if not (count and string.find(count, '^[1-9]%d?%d?%d?%d?%d?%d?%d?%d?$')) then
+  count = tonumber(count)
+end
 local layout = ARGV[3]
 local mode = ARGV[5]
 local evictions, event_id = KEYS[9], ARGV[8] or ''
@@ -90,7 +97,8 @@ local announced = 0
 
 local build_format, build_min = tonumber(ARGV[9]), tonumber(ARGV[10])
 local in_use_value = redis.call('GET', KEYS[8])
-local in_use = tonumber(in_use_value or '1')
+local in_use = 1
+if in_use_value then in_use = tonumber(in_use_value) end
 if not in_use then
   return redis.error_reply('ERR ' .. KEYS[8] .. ' holds ' .. in_use_value .. ', not a format number')
 end
@@ -110,8 +118,8 @@ if not recorded then recorded = redis.call('EXISTS', progress_key) == 1 end
 -- The format the record is in: a record without the field (or not written yet) is in
 -- format 1; a record not written yet is never refused.
 local stamp = 1
-if recorded then
-  stamp = tonumber(record.format or '1') or 0
+if recorded and record.format then
+  stamp = tonumber(record.format) or 0
 end
 if in_use > build_format or in_use < build_min then
   return redis.error_reply('FORMAT format ' .. in_use .. ' is in use; this worker works under'
@@ -135,7 +143,9 @@ end
 
 -- The record's counters (a field that is absent or not a number counts as 0).
 local function counter(name)
-  return tonumber(record[name] or '0') or 0
+  local value = record[name]
+  if not value then return 0 end
+  return tonumber(value) or 0
 end
 
 local check = check_evictions_stream(evictions)
