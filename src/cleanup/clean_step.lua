@@ -299,7 +299,19 @@ if #popped > 0 then
   return {finish_if_clean(), #members, deleted, kept, mode, announced, elapsed_us()}
 end
 
-if redis.call('EXISTS', walking_key) == 0 then
+-- 'scan' mode (every mode but 'pop'): the SSCAN of `walking` from the cursor, only where
+-- it was issued (by this Redis process: its run_id, read by this step), else from 0. The
+-- SSCAN (a read) comes before the question whether `walking` exists: a reply with members
+-- or with a cursor other than 0 answers it (a set that exists is never empty), and only
+-- an empty last reply asks EXISTS. A walk that starts here is scanned from 0.
+local scan
+if mode ~= 'pop' then
+  local cursor = '0'
+  if record.walk_run_id == run_id then cursor = record.walk_cursor or '0' end
+  scan = redis.call('SSCAN', walking_key, cursor, 'COUNT', count)
+end
+if not (scan and (scan[1] ~= '0' or #scan[2] > 0))
+  and redis.call('EXISTS', walking_key) == 0 then
   if redis.call('EXISTS', users_key) == 0 then
     return {finish_if_clean(), 0, 0, 0, mode, announced, elapsed_us()}
   end
@@ -311,6 +323,7 @@ if redis.call('EXISTS', walking_key) == 0 then
   -- a walk that started after another step had finished S (members a zombie added) and
   -- was then abandoned is reported again by the reconciler, not left forever.
   redis.pcall('ZADD', servers_key, 'NX', 0, server)
+  if scan then scan = redis.call('SSCAN', walking_key, '0', 'COUNT', count) end
 end
 
 local members, walked
@@ -318,11 +331,6 @@ if mode == 'pop' then
   members = redis.call('SPOP', walking_key, count)
   walked = redis.call('EXISTS', walking_key) == 0
 else
-  -- The cursor only where it was issued: by this Redis process (its run_id, read by
-  -- this step), else the walk starts again from 0.
-  local cursor = '0'
-  if record.walk_run_id == run_id then cursor = record.walk_cursor or '0' end
-  local scan = redis.call('SSCAN', walking_key, cursor, 'COUNT', count)
   members = scan[2]
   walked = scan[1] == '0'
   -- The cursor and the count walked, in one HSET (the step's first write).
