@@ -617,6 +617,35 @@ async fn a_step_is_refused_once_the_format_moved_on() {
     assert_eq!(f.still_pointing(&dead, USERS).await, 0);
 }
 
+/// A cleanup whose progress record is not written yet is never refused for the record's
+/// format (a record without the field is in format 1): a build that works only under
+/// format 2, with format 2 in use, takes the first step and stamps the record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_step_is_not_refused_for_a_record_not_written_yet() {
+    let f = Fixture::new(Layout::Hash);
+    const USERS: usize = 50;
+    let dead = server("gw-first#1");
+    f.seed(&dead, USERS).await;
+    let moved = format::set(&f.conn, &f.keys, 2, LIVE_MS, false)
+        .await
+        .unwrap();
+    assert!(moved.set, "no worker is announced: {moved:?}");
+    let step = Cleaner::new(f.keys.clone(), Layout::Hash, 10, 1)
+        .format(Build::new(2, 2))
+        .step(&f.conn, &dead)
+        .await
+        .unwrap();
+    assert!(step.scanned > 0, "{step:?}");
+    let stamp: Option<String> = f
+        .query(
+            redis::cmd("HGET")
+                .arg(f.keys.server_cleanup(&dead))
+                .arg("format"),
+        )
+        .await;
+    assert_eq!(stamp.as_deref(), Some("2"));
+}
+
 /// The announcements: the format moves forward only to the announcing worker's own
 /// format, only once it has been announced for the live bound, and never while a worker
 /// of an older format was seen within the bound; old announcements are removed.

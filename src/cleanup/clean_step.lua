@@ -71,14 +71,25 @@ local started = redis.call('TIME')
 TIME_READ = started -- the evictions entries' instant (announce.lua)
 local function elapsed_us()
   local now = redis.call('TIME')
+  local us = tonumber(now[2]) - tonumber(started[2])
+  -- The seconds are parsed only when they differ (a step mostly ends in the second it
+  -- started).
+  if now[1] ~= started[1] then
+    us = us + (tonumber(now[1]) - tonumber(started[1])) * 1000000
+  end
   -- TIME is the wall clock: never negative if it is stepped back during the script.
-  return math.max(0, (tonumber(now[1]) - tonumber(started[1])) * 1000000
-    + tonumber(now[2]) - tonumber(started[2]))
+  return math.max(0, us)
 end
 
 local users_key, walking_key, moved_key = KEYS[1], KEYS[2], KEYS[3]
 local progress_key, servers_key, registry_key, events_key = KEYS[4], KEYS[5], KEYS[6], KEYS[7]
-local server, count, user_prefix = ARGV[1], tonumber(ARGV[2]), ARGV[4]
+local server, count, user_prefix = ARGV[1], ARGV[2], ARGV[4]
+-- The chunk size as the commands get it: ARGV[2] itself when it is the digits Redis makes
+-- of the number (no sign, no leading zero, at most 9 digits), which spares turning a Lua
+-- number into a string in each command; else the number.
+if not (count and string.find(count, '^[1-9]%d?%d?%d?%d?%d?%d?%d?%d?$')) then
+  count = tonumber(count)
+end
 local layout = ARGV[3]
 local mode = ARGV[5]
 local evictions, event_id = KEYS[9], ARGV[8] or ''
@@ -86,36 +97,37 @@ local announced = 0
 
 local build_format, build_min = tonumber(ARGV[9]), tonumber(ARGV[10])
 local in_use_value = redis.call('GET', KEYS[8])
-local in_use = tonumber(in_use_value or '1')
+local in_use = 1
+if in_use_value then in_use = tonumber(in_use_value) end
 if not in_use then
   return redis.error_reply('ERR ' .. KEYS[8] .. ' holds ' .. in_use_value .. ', not a format number')
 end
 -- The progress record's fields this step uses, read once: what the step writes back it
--- keeps here too, so it never reads what it wrote.
-local RECORD_FIELDS = {'format', 'walk_cursor', 'walk_run_id', 'scanned', 'evicted', 'kept'}
-local record, recorded = {}, false
-local values = redis.call('HMGET', progress_key, unpack(RECORD_FIELDS))
-for i = 1, #RECORD_FIELDS do
-  if values[i] then
-    record[RECORD_FIELDS[i]] = values[i]
-    recorded = true
-  end
-end
+-- keeps here too, so it never reads what it wrote (an absent field is nil; the
+-- constructor makes the table at its full size).
+local values = redis.call('HMGET', progress_key, 'format', 'walk_cursor', 'walk_run_id',
+  'scanned', 'evicted', 'kept')
+local record = {
+  format = values[1] or nil, walk_cursor = values[2] or nil, walk_run_id = values[3] or nil,
+  scanned = values[4] or nil, evicted = values[5] or nil, kept = values[6] or nil,
+}
+local recorded = (values[1] or values[2] or values[3] or values[4] or values[5] or values[6])
+  and true or false
 -- A record may hold none of them (only `last_error`, record_failure.lua).
 if not recorded then recorded = redis.call('EXISTS', progress_key) == 1 end
 -- The format the record is in: a record without the field (or not written yet) is in
 -- format 1; a record not written yet is never refused.
 local stamp = 1
-if recorded then
-  stamp = tonumber(record.format or '1') or 0
+if recorded and record.format then
+  stamp = tonumber(record.format) or 0
 end
-local works = 'this worker works under formats ' .. build_min .. ' to ' .. build_format
 if in_use > build_format or in_use < build_min then
-  return redis.error_reply('FORMAT format ' .. in_use .. ' is in use; ' .. works)
+  return redis.error_reply('FORMAT format ' .. in_use .. ' is in use; this worker works under'
+    .. ' formats ' .. build_min .. ' to ' .. build_format)
 end
 if recorded and (stamp > build_format or stamp < build_min) then
   return redis.error_reply('FORMAT the cleanup of ' .. server .. ' was written under format '
-    .. stamp .. '; ' .. works)
+    .. stamp .. '; this worker works under formats ' .. build_min .. ' to ' .. build_format)
 end
 -- Writes `pairs_` (field, value, ...) to the progress record in one HSET, with the
 -- format in use when the record says another (the stamp goes only where the step writes
@@ -131,7 +143,9 @@ end
 
 -- The record's counters (a field that is absent or not a number counts as 0).
 local function counter(name)
-  return tonumber(record[name] or '0') or 0
+  local value = record[name]
+  if not value then return 0 end
+  return tonumber(value) or 0
 end
 
 local check = check_evictions_stream(evictions)
@@ -140,51 +154,58 @@ if check then return check end
 local run_id
 if mode == 'scan' then
   local info = redis.pcall('INFO', 'server')
-  -- A plain search (no pattern) for the field, then its 40 hex digits.
+  -- A plain search (no pattern) for the field, then its 40 hex digits (a pattern anchored
+  -- where they start).
   local at = type(info) == 'string' and string.find(info, 'run_id:', 1, true)
-  if at then
+  if at and string.find(info,
+    '^%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x',
+    at + 7) then
     run_id = string.sub(info, at + 7, at + 46)
-    if #run_id ~= 40 or string.find(run_id, '[^%x]') then run_id = nil end
   end
   if not run_id then mode = 'pop' end
 end
 
 -- The members of members[first..] whose owner (owners[i], for members[first + i - 1]) is
 -- S: nil when all are (the common case: no list is made, the range is the answer), else
--- a list of them; then how many owners name another server.
-local function doomed_of(members, first, owners)
+-- a list of them; then how many owners name another server; then, given `keys` (layout
+-- keys: the entries' keys, keys[i] for owners[i]), the list of the doomed ones' keys.
+local function doomed_of(members, first, owners, keys)
   local n = #owners
   local i = 1
   while i <= n and owners[i] == server do i = i + 1 end
   if i > n then return nil, 0 end
   local doomed, d, kept = {}, i - 1, 0
+  local doomed_keys = keys and {}
   for j = 1, d do doomed[j] = members[first + j - 1] end
+  if keys then
+    for j = 1, d do doomed_keys[j] = keys[j] end
+  end
   for j = i, n do
     local owner = owners[j]
     if owner == server then
       d = d + 1
       doomed[d] = members[first + j - 1]
+      if keys then doomed_keys[d] = keys[j] end
     elseif owner then
       kept = kept + 1
     end
   end
-  return doomed, kept
+  return doomed, kept, doomed_keys
 end
 
 -- Totals for `server.cleaned`, in one HSET. Only after a write of this step (a pop or
 -- a delete), so that out of memory they are let through, and never on a finished
 -- cleanup's record. Returns `deleted` and `kept`.
 local function record_totals(deleted, kept)
-  local totals = {}
-  if deleted > 0 then
-    record.evicted = counter('evicted') + deleted
-    totals[#totals + 1], totals[#totals + 2] = 'evicted', record.evicted
+  if deleted > 0 then record.evicted = counter('evicted') + deleted end
+  if kept > 0 then record.kept = counter('kept') + kept end
+  if deleted > 0 and kept > 0 then
+    write_record({'evicted', record.evicted, 'kept', record.kept})
+  elseif deleted > 0 then
+    write_record({'evicted', record.evicted})
+  elseif kept > 0 then
+    write_record({'kept', record.kept})
   end
-  if kept > 0 then
-    record.kept = counter('kept') + kept
-    totals[#totals + 1], totals[#totals + 2] = 'kept', record.kept
-  end
-  if #totals > 0 then write_record(totals) end
   return deleted, kept
 end
 
@@ -235,13 +256,15 @@ local function check_delete(members)
   local evicted = {}
   for first = 1, #members, BATCH do
     local last = math.min(first + BATCH - 1, #members)
-    local owners = owners_of(members, first, last, layout, registry_key, user_prefix)
-    local doomed, others = doomed_of(members, first, owners)
+    local owners, keys = owners_of(members, first, last, layout, registry_key, user_prefix)
+    local doomed, others, doomed_keys = doomed_of(members, first, owners, keys)
     kept = kept + others
     if not doomed then
-      deleted = deleted + delete_forward(members, layout, registry_key, user_prefix, first, last)
+      deleted = deleted + delete_forward(members, layout, registry_key, user_prefix, first, last,
+        keys)
     else
-      deleted = deleted + delete_forward(doomed, layout, registry_key, user_prefix)
+      deleted = deleted + delete_forward(doomed, layout, registry_key, user_prefix, nil, nil,
+        doomed_keys)
     end
     if #members <= BATCH then
       evicted = doomed or members -- one batch: its doomed are all the step's
@@ -276,7 +299,19 @@ if #popped > 0 then
   return {finish_if_clean(), #members, deleted, kept, mode, announced, elapsed_us()}
 end
 
-if redis.call('EXISTS', walking_key) == 0 then
+-- 'scan' mode (every mode but 'pop'): the SSCAN of `walking` from the cursor, only where
+-- it was issued (by this Redis process: its run_id, read by this step), else from 0. The
+-- SSCAN (a read) comes before the question whether `walking` exists: a reply with members
+-- or with a cursor other than 0 answers it (a set that exists is never empty), and only
+-- an empty last reply asks EXISTS. A walk that starts here is scanned from 0.
+local scan
+if mode ~= 'pop' then
+  local cursor = '0'
+  if record.walk_run_id == run_id then cursor = record.walk_cursor or '0' end
+  scan = redis.call('SSCAN', walking_key, cursor, 'COUNT', count)
+end
+if not (scan and (scan[1] ~= '0' or #scan[2] > 0))
+  and redis.call('EXISTS', walking_key) == 0 then
   if redis.call('EXISTS', users_key) == 0 then
     return {finish_if_clean(), 0, 0, 0, mode, announced, elapsed_us()}
   end
@@ -288,6 +323,7 @@ if redis.call('EXISTS', walking_key) == 0 then
   -- a walk that started after another step had finished S (members a zombie added) and
   -- was then abandoned is reported again by the reconciler, not left forever.
   redis.pcall('ZADD', servers_key, 'NX', 0, server)
+  if scan then scan = redis.call('SSCAN', walking_key, '0', 'COUNT', count) end
 end
 
 local members, walked
@@ -295,19 +331,15 @@ if mode == 'pop' then
   members = redis.call('SPOP', walking_key, count)
   walked = redis.call('EXISTS', walking_key) == 0
 else
-  -- The cursor only where it was issued: by this Redis process (its run_id, read by
-  -- this step), else the walk starts again from 0.
-  local cursor = '0'
-  if record.walk_run_id == run_id then cursor = record.walk_cursor or '0' end
-  local scan = redis.call('SSCAN', walking_key, cursor, 'COUNT', count)
   members = scan[2]
   walked = scan[1] == '0'
   -- The cursor and the count walked, in one HSET (the step's first write).
-  local progress = {'scanned', counter('scanned') + #members}
-  if not walked then
-    progress[3], progress[4], progress[5], progress[6] = 'walk_cursor', scan[1], 'walk_run_id', run_id
+  local scanned = counter('scanned') + #members
+  if walked then
+    write_record({'scanned', scanned})
+  else
+    write_record({'scanned', scanned, 'walk_cursor', scan[1], 'walk_run_id', run_id})
   end
-  write_record(progress)
 end
 local deleted, kept = check_delete(members)
 

@@ -7,14 +7,27 @@
 
 local EVICTED_PER_ENTRY = 1000
 
--- `n` (0 <= n < 2^53) as `width` big-endian bytes.
+-- `n` (0 <= n < 2^53) as `width` (1, 2, 4 or 8) big-endian bytes, in one string.char:
+-- each byte is n % 256, then n becomes (n - that byte) / 256 (= math.floor(n / 256)).
 local function mp_be(n, width)
-  local out = {}
-  for i = width, 1, -1 do
-    out[i] = string.char(n % 256)
-    n = math.floor(n / 256)
-  end
-  return table.concat(out)
+  local b1 = n % 256
+  n = (n - b1) / 256
+  if width == 1 then return string.char(b1) end
+  local b2 = n % 256
+  n = (n - b2) / 256
+  if width == 2 then return string.char(b2, b1) end
+  local b3 = n % 256
+  n = (n - b3) / 256
+  local b4 = n % 256
+  n = (n - b4) / 256
+  if width == 4 then return string.char(b4, b3, b2, b1) end
+  local b5 = n % 256
+  n = (n - b5) / 256
+  local b6 = n % 256
+  n = (n - b6) / 256
+  local b7 = n % 256
+  n = (n - b7) / 256
+  return string.char(n % 256, b7, b6, b5, b4, b3, b2, b1)
 end
 
 local function mp_uint(n)
@@ -91,13 +104,12 @@ local function mp_array_header(n)
   return '\221' .. mp_be(n, 4)
 end
 
--- A map of string keys (fewer than 16) to values already encoded.
+-- A map of string keys (fewer than 16) to values already encoded. The list is made at
+-- its full size by the constructor (no table grows slot by slot), then each key is
+-- encoded in its place.
 local function mp_map(pairs_)
-  local out = {string.char(128 + #pairs_ / 2)}
-  for i = 1, #pairs_, 2 do
-    out[#out + 1] = mp_str(pairs_[i])
-    out[#out + 1] = pairs_[i + 1]
-  end
+  local out = {string.char(128 + #pairs_ / 2), unpack(pairs_)}
+  for i = 2, #out, 2 do out[i] = mp_str(out[i]) end
   return table.concat(out)
 end
 
@@ -127,16 +139,20 @@ end
 -- Returns the number of entries written.
 local function announce_evicted(stream, server, event_id, source, users)
   if not stream or stream == '' or #users == 0 then return 0 end
-  local at = mp_uint(now_ms())
+  -- The map of 6 pairs as mp_map makes it, with its keys written out (fixstr: 0xa0 + the
+  -- length, then the bytes): `v` 1, `source`, `server_id`, `event_id`, `users`,
+  -- `evicted_at_ms`; what precedes and follows the list is made once.
+  local head = '\134\161v\1\166source' .. mp_str(source) .. '\169server_id' .. mp_str(server)
+    .. '\168event_id' .. mp_str(event_id) .. '\165users'
+  local tail = '\173evicted_at_ms' .. mp_uint(now_ms())
   local entries = 0
   for first = 1, #users, EVICTED_PER_ENTRY do
     local last = math.min(first + EVICTED_PER_ENTRY - 1, #users)
-    local list = {mp_array_header(last - first + 1)}
-    mp_bin_items(list, 1, users, first, last)
-    local payload = mp_map({
-      'v', mp_uint(1), 'source', mp_str(source), 'server_id', mp_str(server),
-      'event_id', mp_str(event_id), 'users', table.concat(list), 'evicted_at_ms', at,
-    })
+    -- The constructor makes the header's slot and two more, which a run of ids of one
+    -- length (the common case) fills; the list is read up to its last item.
+    local list = {mp_array_header(last - first + 1), nil, nil}
+    local k = mp_bin_items(list, 1, users, first, last)
+    local payload = head .. table.concat(list, '', 1, k) .. tail
     redis.call('XADD', stream, '*', 'type', 'users.evicted', 'payload', payload)
     entries = entries + 1
   end
@@ -175,7 +191,11 @@ end
 -- entries written.
 local function announce_connection_pairs(stream, server, event_id, source, users, connections, n)
   if not stream or stream == '' or n == 0 then return 0 end
-  local at = mp_uint(now_ms())
+  -- As in announce_evicted, the map's keys written out: `v` 1, `source`, `server_id`,
+  -- `event_id`, `connections`, `evicted_at_ms`.
+  local head = '\134\161v\1\166source' .. mp_str(source) .. '\169server_id' .. mp_str(server)
+    .. '\168event_id' .. mp_str(event_id) .. '\171connections'
+  local tail = '\173evicted_at_ms' .. mp_uint(now_ms())
   local entries = 0
   for first = 1, n, EVICTED_PER_ENTRY do
     local last = math.min(first + EVICTED_PER_ENTRY - 1, n)
@@ -193,11 +213,7 @@ local function announce_connection_pairs(stream, server, event_id, source, users
       list[k + 3], list[k + 4] = STR8[cl] or str_header(cl), connection
       k = k + 4
     end
-    local payload = mp_map({
-      'v', mp_uint(1), 'source', mp_str(source), 'server_id', mp_str(server),
-      'event_id', mp_str(event_id), 'connections', table.concat(list),
-      'evicted_at_ms', at,
-    })
+    local payload = head .. table.concat(list) .. tail
     redis.call('XADD', stream, '*', 'type', 'connections.evicted', 'payload', payload)
     entries = entries + 1
   end

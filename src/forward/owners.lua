@@ -55,7 +55,8 @@ local function conn_entry(member, user_prefix)
 end
 
 -- The forward entries (owner server ids, false where none) of members[first..last].
--- `layout` is 'hash', 'keys' or 'conns' (the setting).
+-- `layout` is 'hash', 'keys' or 'conns' (the setting). Layout `keys`: the entries' keys
+-- too, in the same order (delete_forward takes them).
 local function owners_of(members, first, last, layout, registry_key, user_prefix)
   if layout == 'hash' then
     return redis.call('HMGET', registry_key, unpack(members, first, last))
@@ -75,15 +76,16 @@ local function owners_of(members, first, last, layout, registry_key, user_prefix
     return owners
   end
   local forward = {}
-  for i = first, last do forward[#forward + 1] = user_prefix .. members[i] end
-  return redis.call('MGET', unpack(forward))
+  for i = first, last do forward[i - first + 1] = user_prefix .. members[i] end
+  return redis.call('MGET', unpack(forward)), forward
 end
 
 -- Deletes the forward entries of members[first..last] (default: all of `members`; at most
 -- BATCH; already checked by the caller, in this script). Layout `conns`: one HDEL of the
 -- connection's field each; Redis deletes the user's Hash with its last field, so no empty
--- Hash is left.
-local function delete_forward(members, layout, registry_key, user_prefix, first, last)
+-- Hash is left. Layout `keys`: `keys`, when given, are the entries' keys of
+-- members[first..last] as owners_of returned them.
+local function delete_forward(members, layout, registry_key, user_prefix, first, last, keys)
   first, last = first or 1, last or #members
   if last < first then return 0 end
   if layout == 'hash' then return redis.call('HDEL', registry_key, unpack(members, first, last)) end
@@ -95,6 +97,7 @@ local function delete_forward(members, layout, registry_key, user_prefix, first,
     end
     return deleted
   end
+  if keys then return redis.call('DEL', unpack(keys)) end
   local forward = {}
   for i = first, last do forward[i - first + 1] = user_prefix .. members[i] end
   return redis.call('DEL', unpack(forward))
