@@ -382,3 +382,49 @@ async fn walk_started_after_the_finish(layout: Layout) {
         "an unfinished walk of S left S unreported"
     );
 }
+
+/// A stored cursor that SSCAN would refuse (a progress record written by hand, or
+/// damaged) is no cursor: the walk starts again from 0 and the cleanup ends, whether the
+/// record names the Redis's own run_id with the walk under way or before it started.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stored_cursor_sscan_refuses_restarts_the_walk() {
+    let f = Fixture::new(Layout::Hash);
+    let info: String = f.query(redis::cmd("INFO").arg("server")).await;
+    let run_id = info
+        .lines()
+        .find_map(|l| l.strip_prefix("run_id:"))
+        .expect("INFO server names the run_id")
+        .trim()
+        .to_owned();
+    const USERS: usize = 300;
+    let cleaner = Cleaner::new(f.keys.clone(), Layout::Hash, 10, 1);
+    let damage = |dead: &ServerId, cursor: &str| {
+        redis::cmd("HSET")
+            .arg(f.keys.server_cleanup(dead))
+            .arg("walk_cursor")
+            .arg(cursor)
+            .arg("walk_run_id")
+            .arg(&run_id)
+            .to_owned()
+    };
+    for (name, cursor) in [
+        ("gw-under-way#1", "abc"),
+        ("gw-under-way#2", "99999999999999999999999"),
+        ("gw-not-started#1", " 5"),
+    ] {
+        let dead = server(name);
+        f.seed(&dead, USERS).await;
+        if name.starts_with("gw-under-way") {
+            for _ in 0..3 {
+                let step = cleaner.step(&f.conn, &dead).await.unwrap();
+                assert!(!step.done, "{name}: {step:?}");
+            }
+        }
+        let _: () = f.query(&damage(&dead, cursor)).await;
+        cleaner
+            .clean(&f.conn, &dead, &CancellationToken::new(), |_| {})
+            .await
+            .unwrap_or_else(|e| panic!("{name}, cursor {cursor:?}: {e}"));
+        assert_eq!(f.still_pointing(&dead, USERS).await, 0, "{name}");
+    }
+}

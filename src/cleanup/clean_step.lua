@@ -303,11 +303,16 @@ end
 -- it was issued (by this Redis process: its run_id, read by this step), else from 0. The
 -- SSCAN (a read) comes before the question whether `walking` exists: a reply with members
 -- or with a cursor other than 0 answers it (a set that exists is never empty), and only
--- an empty last reply asks EXISTS. A walk that starts here is scanned from 0.
+-- an empty last reply asks EXISTS. A walk that starts here is scanned from 0. A stored
+-- cursor that is not the digits SSCAN takes (a record written by hand, or damaged) is
+-- no cursor: the walk starts again from 0, rather than every step failing on it.
 local scan
 if mode ~= 'pop' then
   local cursor = '0'
-  if record.walk_run_id == run_id then cursor = record.walk_cursor or '0' end
+  if record.walk_run_id == run_id then
+    local stored = record.walk_cursor
+    if stored and #stored <= 19 and not string.find(stored, '%D') then cursor = stored end
+  end
   scan = redis.call('SSCAN', walking_key, cursor, 'COUNT', count)
 end
 if not (scan and (scan[1] ~= '0' or #scan[2] > 0))
