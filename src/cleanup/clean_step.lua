@@ -22,10 +22,12 @@
 --   a restart or a failover the walk starts again from 0). The set is not modified while
 --   it is walked (an SREM per member would cost Redis about a third more).
 -- - 'pop': SPOP the chunk. Needs no cursor and writes nothing that takes memory, so it is
---   used when the server is out of memory (OOM refuses HSET, not SPOP/HDEL/DEL/XACK: the
---   cleanup is what frees memory) and when INFO gives no run_id (some proxies and managed
---   services), where a cursor could not be trusted. Safe on one node because the pop and
---   the deletes are one atomic script.
+--   used once a step was refused with OOM (the cleanup is what frees memory) and when
+--   INFO gives no run_id (some proxies and managed services), where a cursor could not be
+--   trusted. Safe on one node because the pop and the deletes are one atomic script.
+--   (Redis 7.0 refuses a script's command that takes memory only while the script has
+--   written nothing; a step's first write is the ZPOPMIN of `moved`, which takes none, so
+--   there a step out of memory is not refused and writes its cursor.)
 -- The two may alternate or run side by side (workers on duplicate events): SSCAN still
 -- returns every member that stays in the set, and popped members were handled.
 --
