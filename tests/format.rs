@@ -617,6 +617,16 @@ async fn a_step_is_refused_once_the_format_moved_on() {
     assert_eq!(f.still_pointing(&dead, USERS).await, 0);
 }
 
+/// The format stamped on `dead`'s progress record (None: no stamp).
+async fn record_format(f: &Fixture, dead: &ServerId) -> Option<String> {
+    f.query(
+        redis::cmd("HGET")
+            .arg(f.keys.server_cleanup(dead))
+            .arg("format"),
+    )
+    .await
+}
+
 /// A cleanup whose progress record is not written yet is never refused for the record's
 /// format (a record without the field is in format 1): a build that works only under
 /// format 2, with format 2 in use, takes the first step and stamps the record.
@@ -636,14 +646,7 @@ async fn a_first_step_is_not_refused_for_a_record_not_written_yet() {
         .await
         .unwrap();
     assert!(step.scanned > 0, "{step:?}");
-    let stamp: Option<String> = f
-        .query(
-            redis::cmd("HGET")
-                .arg(f.keys.server_cleanup(&dead))
-                .arg("format"),
-        )
-        .await;
-    assert_eq!(stamp.as_deref(), Some("2"));
+    assert_eq!(record_format(&f, &dead).await.as_deref(), Some("2"));
 }
 
 /// The announcements: the format moves forward only to the announcing worker's own
@@ -886,14 +889,7 @@ async fn after_a_rollback_a_cleanup_written_in_the_newer_format_goes_to_a_newer_
     for _ in 0..3 {
         newer.step(&f.conn, &dead).await.unwrap();
     }
-    let stamp: Option<String> = f
-        .query(
-            redis::cmd("HGET")
-                .arg(f.keys.server_cleanup(&dead))
-                .arg("format"),
-        )
-        .await;
-    assert_eq!(stamp.as_deref(), Some("2"));
+    assert_eq!(record_format(&f, &dead).await.as_deref(), Some("2"));
     format::set(&f.conn, &f.keys, 1, LIVE_MS, false)
         .await
         .unwrap();
