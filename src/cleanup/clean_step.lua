@@ -123,13 +123,16 @@ local stamp = 1
 if recorded and record.format then
   stamp = tonumber(record.format) or 0
 end
+-- The refusal names the formats this worker works under (made only when refusing).
+local function refuse(why)
+  return redis.error_reply('FORMAT ' .. why .. '; this worker works under formats '
+    .. build_min .. ' to ' .. build_format)
+end
 if in_use > build_format or in_use < build_min then
-  return redis.error_reply('FORMAT format ' .. in_use .. ' is in use; this worker works under'
-    .. ' formats ' .. build_min .. ' to ' .. build_format)
+  return refuse('format ' .. in_use .. ' is in use')
 end
 if recorded and (stamp > build_format or stamp < build_min) then
-  return redis.error_reply('FORMAT the cleanup of ' .. server .. ' was written under format '
-    .. stamp .. '; this worker works under formats ' .. build_min .. ' to ' .. build_format)
+  return refuse('the cleanup of ' .. server .. ' was written under format ' .. stamp)
 end
 -- Writes `pairs_` (field, value, ...) to the progress record in one HSET, with the
 -- format in use when the record says another (the stamp goes only where the step writes

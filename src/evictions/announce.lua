@@ -135,16 +135,21 @@ local function check_evictions_stream(stream)
   end
 end
 
+-- What precedes and follows the list in an eviction payload, made once per step: the map
+-- of 6 pairs as mp_map makes it, with its keys written out (fixstr: 0xa0 + the length,
+-- then the bytes): `v` 1, `source`, `server_id`, `event_id`, the list's key
+-- (`list_key`, encoded: `users` or `connections`), then `evicted_at_ms`.
+local function evicted_ends(source, server, event_id, list_key)
+  local head = '\134\161v\1\166source' .. mp_str(source) .. '\169server_id' .. mp_str(server)
+    .. '\168event_id' .. mp_str(event_id) .. list_key
+  return head, '\173evicted_at_ms' .. mp_uint(now_ms())
+end
+
 -- XADDs `users.evicted` entries for `users` (deleted by this script), 1,000 per entry.
 -- Returns the number of entries written.
 local function announce_evicted(stream, server, event_id, source, users)
   if not stream or stream == '' or #users == 0 then return 0 end
-  -- The map of 6 pairs as mp_map makes it, with its keys written out (fixstr: 0xa0 + the
-  -- length, then the bytes): `v` 1, `source`, `server_id`, `event_id`, `users`,
-  -- `evicted_at_ms`; what precedes and follows the list is made once.
-  local head = '\134\161v\1\166source' .. mp_str(source) .. '\169server_id' .. mp_str(server)
-    .. '\168event_id' .. mp_str(event_id) .. '\165users'
-  local tail = '\173evicted_at_ms' .. mp_uint(now_ms())
+  local head, tail = evicted_ends(source, server, event_id, '\165users')
   local entries = 0
   for first = 1, #users, EVICTED_PER_ENTRY do
     local last = math.min(first + EVICTED_PER_ENTRY - 1, #users)
@@ -191,11 +196,7 @@ end
 -- entries written.
 local function announce_connection_pairs(stream, server, event_id, source, users, connections, n)
   if not stream or stream == '' or n == 0 then return 0 end
-  -- As in announce_evicted, the map's keys written out: `v` 1, `source`, `server_id`,
-  -- `event_id`, `connections`, `evicted_at_ms`.
-  local head = '\134\161v\1\166source' .. mp_str(source) .. '\169server_id' .. mp_str(server)
-    .. '\168event_id' .. mp_str(event_id) .. '\171connections'
-  local tail = '\173evicted_at_ms' .. mp_uint(now_ms())
+  local head, tail = evicted_ends(source, server, event_id, '\171connections')
   local entries = 0
   for first = 1, n, EVICTED_PER_ENTRY do
     local last = math.min(first + EVICTED_PER_ENTRY - 1, n)

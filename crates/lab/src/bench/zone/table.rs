@@ -30,14 +30,19 @@ impl fmt::Display for ZoneReport {
             "win p50", "win p99", "win mean", "rss MiB", "cpu s/M", "acked", "stale", "lost"
         )?;
         for s in &self.settings {
+            // The setting's columns, at the head of each of its lines.
+            let knobs = format!(
+                "{:>6} {:<14} {:<4} {:>4}",
+                s.knobs.latency_target_ms,
+                s.knobs.step_order,
+                wait(s.knobs.replica_wait),
+                s.knobs.busy_cores
+            );
             for r in [&s.zone, &s.single] {
                 writeln!(
                     f,
-                    "{:>6} {:<14} {:<4} {:>4} {:<6} {:>9} {:>10.0} {:>8} {:>8} {:>8} {:>8.0}ms {:>7.0}ms {:>7.0}ms {:>8.1} {:>8.2} {:>6} {:>5} {:>5}",
-                    s.knobs.latency_target_ms,
-                    s.knobs.step_order,
-                    wait(s.knobs.replica_wait),
-                    s.knobs.busy_cores,
+                    "{} {:<6} {:>9} {:>10.0} {:>8} {:>8} {:>8} {:>8.0}ms {:>7.0}ms {:>7.0}ms {:>8.1} {:>8.2} {:>6} {:>5} {:>5}",
+                    knobs,
                     r.name,
                     r.users,
                     r.users_per_second,
@@ -56,11 +61,8 @@ impl fmt::Display for ZoneReport {
             }
             writeln!(
                 f,
-                "{:>6} {:<14} {:<4} {:>4} throughput vs one server alone: {:.2}x; lookups with Redis idle (the machine's floor): p50 {} us, p99 {} us, max {} us",
-                s.knobs.latency_target_ms,
-                s.knobs.step_order,
-                wait(s.knobs.replica_wait),
-                s.knobs.busy_cores,
+                "{} throughput vs one server alone: {:.2}x; lookups with Redis idle (the machine's floor): p50 {} us, p99 {} us, max {} us",
+                knobs,
                 s.throughput_vs_single,
                 s.zone.idle_lookup_p50_us,
                 s.zone.idle_lookup_p99_us,
@@ -68,11 +70,8 @@ impl fmt::Display for ZoneReport {
             )?;
             writeln!(
                 f,
-                "{:>6} {:<14} {:<4} {:>4} slowest command in Redis while the zone was cleaned: {} us ({}), {} over 5 ms",
-                s.knobs.latency_target_ms,
-                s.knobs.step_order,
-                wait(s.knobs.replica_wait),
-                s.knobs.busy_cores,
+                "{} slowest command in Redis while the zone was cleaned: {} us ({}), {} over 5 ms",
+                knobs,
                 s.zone.redis_slowest_us,
                 s.zone.redis_slowest_command,
                 s.zone.redis_commands_over_5ms
@@ -82,11 +81,8 @@ impl fmt::Display for ZoneReport {
             }
             writeln!(
                 f,
-                "{:>6} {:<14} {:<4} {:>4} time in the replica wait, of the cleanups' time: zone {:.2}% ({:.3} s of {:.3} s), single {:.2}% ({:.3} s of {:.3} s)",
-                s.knobs.latency_target_ms,
-                s.knobs.step_order,
-                wait(s.knobs.replica_wait),
-                s.knobs.busy_cores,
+                "{} time in the replica wait, of the cleanups' time: zone {:.2}% ({:.3} s of {:.3} s), single {:.2}% ({:.3} s of {:.3} s)",
+                knobs,
                 s.zone.replica_wait_share * 100.0,
                 s.zone.replica_wait_seconds,
                 s.zone.cleanup_seconds,
