@@ -21,9 +21,16 @@
 //!   to `concurrency * chunks_in_flight` (what the worker would queue without a limiter).
 //!   A step that waited longer (but not over the target) found work queued in front of
 //!   it: Redis was busy the whole time, so a wider window would add only waiting, to the
-//!   steps and to the lookups behind them; the window holds. A worker alone on a Redis
-//!   so keeps about two steps in flight, one running and the next one queued behind it:
-//!   Redis need not wait for a round trip, and a lookup waits for about two steps;
+//!   steps and to the lookups behind them; the window holds;
+//! - the window grows past one step only where the base delay is at least a quarter of a
+//!   step's execution (averaged like the time per member; half the target until a step
+//!   was measured). With one step in flight Redis idles for about the base delay between
+//!   a step's answer and the next step; a second step queued behind the running one fills
+//!   that gap, and every lookup then waits for it too. A worker alone next to its Redis
+//!   (the base a fraction of a step) so keeps one step in flight, and a lookup waits for
+//!   the rest of that one step; a worker whose Redis is a long round trip away keeps two
+//!   or more, and Redis need not wait for the round trips. A window above that ceiling
+//!   (the base dropped) comes down to it at the next answer, without a cut;
 //! - at the floor of one step, W workers still keep W steps queued; a delay over the target
 //!   there starts pacing instead: a pause before each step (250 us, doubled per round trip
 //!   while the delay stays over, at most 20 targets), halved per step under the target;
@@ -73,6 +80,14 @@ const BASE_PERIOD: Duration = Duration::from_secs(60);
 /// steps all wait behind every other worker's, and a base taken from them would let the
 /// queue grow by as much. Until then the whole delay counts (the base is zero).
 const BASE_SAMPLES: u32 = 16;
+
+/// An average that moves 20% of the way to each new sample.
+fn ewma(avg: Option<f64>, sample: f64) -> f64 {
+    match avg {
+        Some(avg) => avg * 0.8 + sample * 0.2,
+        None => sample,
+    }
+}
 
 /// The lowest delay seen lately: what a step waits even with nothing queued in Redis.
 struct BaseDelay {
@@ -168,6 +183,8 @@ struct State {
     pause: Duration,
     /// Execution time per member walked, averaged over the steps (microseconds).
     us_per_member: Option<f64>,
+    /// Execution time of a step, averaged over the steps (microseconds).
+    us_per_step: Option<f64>,
     /// The delay a step sees with nothing queued (network, scheduling).
     base: BaseDelay,
     /// Steps waiting for a permit, smallest key first.
@@ -243,10 +260,11 @@ impl Limiter {
         metrics: Option<LimiterMetrics>,
     ) -> Arc<Self> {
         let max_window = max_window.max(1);
-        // Start low: a zone outage makes every worker start at once, and a burst of full
-        // windows would queue them all in Redis before the first answer. The window
-        // reaches its ceiling within a few dozen steps when Redis keeps up.
-        let window = 2.min(max_window);
+        // Start at one step: a zone outage makes every worker start at once, and a burst
+        // of full windows would queue them all in Redis before the first answer. Where
+        // the round trip is long enough to widen it, the window reaches its ceiling
+        // within a few dozen steps when Redis keeps up.
+        let window = 1;
         if let Some(m) = &metrics {
             m.window.set(window as i64);
             m.in_flight.set(0);
@@ -263,6 +281,7 @@ impl Limiter {
                 cuts: 0,
                 pause: Duration::ZERO,
                 us_per_member: None,
+                us_per_step: None,
                 base: BaseDelay::new(),
                 waiting: BinaryHeap::new(),
                 asked: 0,
@@ -378,12 +397,27 @@ impl Limiter {
     /// A step walked `members` in `execution`: the average time per member moves 20% of
     /// the way to it.
     fn observe_step(&self, execution: Duration, members: u64) {
-        let sample = execution.as_micros() as f64 / members as f64;
+        let us = execution.as_micros() as f64;
         let mut state = crate::lock::lock(&self.state);
-        state.us_per_member = Some(match state.us_per_member {
-            Some(avg) => avg * 0.8 + sample * 0.2,
-            None => sample,
-        });
+        state.us_per_member = Some(ewma(state.us_per_member, us / members as f64));
+        state.us_per_step = Some(ewma(state.us_per_step, us));
+    }
+
+    /// The widest the window may grow with `base` the delay a step sees with nothing
+    /// queued: one step in flight, unless that delay is at least a quarter of a step's
+    /// execution (half the target until a step was measured). Redis is idle for about
+    /// `base` between one step's answer and the next step with one in flight; a second
+    /// step queued behind the running one fills that gap, but every lookup then waits for
+    /// it too, which is worth it only where the gap is a sizeable share of Redis's time.
+    fn ceiling(&self, state: &State, base: Duration) -> usize {
+        let step_us = state
+            .us_per_step
+            .unwrap_or(self.target.as_micros() as f64 / 2.0);
+        if base.as_micros() as f64 * f64::from(IDLE_FRACTION) >= step_us {
+            self.max_window
+        } else {
+            1
+        }
     }
 
     /// The pause before each step now (zero unless the window is at its floor of one).
@@ -404,7 +438,13 @@ impl Limiter {
         let mut state = crate::lock::lock(&self.state);
         state.in_flight -= 1;
         if let Some((sent, delay)) = measured {
-            let delay = delay.saturating_sub(state.base.observe(delay));
+            let base = state.base.observe(delay);
+            let delay = delay.saturating_sub(base);
+            let ceiling = self.ceiling(&state, base);
+            if state.window > ceiling {
+                state.window = ceiling;
+                state.grown = 0;
+            }
             if let Some(m) = &self.metrics {
                 m.queue_delay.observe(delay.as_secs_f64());
             }
@@ -439,7 +479,7 @@ impl Limiter {
                 state.grown += 1;
                 if state.grown >= state.window {
                     state.grown = 0;
-                    state.window = (state.window + 1).min(self.max_window);
+                    state.window = (state.window + 1).min(ceiling);
                 }
             }
             // Otherwise work was queued in front of the step: Redis was busy, the window
@@ -525,13 +565,67 @@ mod tests {
         assert_eq!(z.step_size(1000), 1000);
     }
 
+    /// The round trip of a Redis far enough away that a second step in flight pays: a
+    /// step's execution is half the 1 ms target until one was measured, and this is over
+    /// a quarter of that.
+    const NET: Duration = Duration::from_micros(200);
+
+    /// A limiter whose steps have seen a round trip of [`NET`] long enough to trust it as
+    /// the base delay, with nothing queued: its window may now grow, and the step that
+    /// made the base trusted found Redis idle and grew it to two.
+    async fn remote(max: usize) -> Arc<Limiter> {
+        let l = limiter(max);
+        for _ in 0..BASE_SAMPLES - 1 {
+            let p = l.acquire(10).await;
+            step_with_delay(&l, p, NET);
+        }
+        assert_eq!(
+            (l.window(), l.cuts()),
+            (1, 0),
+            "one step until the base is known"
+        );
+        let p = l.acquire(10).await;
+        step_with_delay(&l, p, NET);
+        assert_eq!((l.window(), l.cuts()), (2, 0));
+        l
+    }
+
     #[tokio::test]
-    async fn grows_by_one_per_window_of_fast_steps_up_to_the_ceiling() {
+    async fn a_worker_near_redis_keeps_one_step_in_flight() {
+        // Steps of 500 us that found Redis idle, with a round trip of 100 us: a second
+        // step in flight would save Redis 100 us of idling per step, and cost every
+        // lookup a whole step of waiting.
         let l = limiter(8);
-        assert_eq!(l.window(), 2);
+        assert_eq!(l.window(), 1);
         for _ in 0..200 {
             let p = l.acquire(10).await;
-            step_with_delay(&l, p, Duration::ZERO);
+            p.limiter.as_ref().unwrap().observe_step(MS / 2, 250);
+            step_with_delay(&l, p, Duration::from_micros(100));
+        }
+        assert_eq!((l.window(), l.cuts()), (1, 0));
+        // Steps of 300 us at the same round trip: it is a third of a step now, and the
+        // window grows.
+        for _ in 0..200 {
+            let p = l.acquire(10).await;
+            p.limiter
+                .as_ref()
+                .unwrap()
+                .observe_step(Duration::from_micros(300), 150);
+            step_with_delay(&l, p, Duration::from_micros(100));
+        }
+        assert_eq!((l.window(), l.cuts()), (8, 0));
+        // The round trip drops (the worker moved next to Redis): back to one step, no cut.
+        let p = l.acquire(10).await;
+        step_with_delay(&l, p, Duration::ZERO);
+        assert_eq!((l.window(), l.cuts()), (1, 0));
+    }
+
+    #[tokio::test]
+    async fn grows_by_one_per_window_of_fast_steps_up_to_the_ceiling() {
+        let l = remote(8).await;
+        for _ in 0..200 {
+            let p = l.acquire(10).await;
+            step_with_delay(&l, p, NET);
         }
         assert_eq!(l.window(), 8, "capped at concurrency * chunks_in_flight");
         assert_eq!(l.cuts(), 0);
@@ -539,33 +633,33 @@ mod tests {
 
     #[tokio::test]
     async fn steps_that_waited_behind_work_under_the_target_hold_the_window() {
-        let l = limiter(8);
+        let l = remote(8).await;
         // Steps that found Redis idle grow the window (2, then 3)...
         for _ in 0..2 {
             let p = l.acquire(10).await;
-            step_with_delay(&l, p, Duration::ZERO);
+            step_with_delay(&l, p, NET);
         }
         assert_eq!(l.window(), 3);
         // ... steps that waited behind others (half the target: busy, not over) hold it.
         for _ in 0..100 {
             let p = l.acquire(10).await;
-            step_with_delay(&l, p, MS / 2);
+            step_with_delay(&l, p, NET + MS / 2);
         }
         assert_eq!((l.window(), l.cuts()), (3, 0));
         // Just under a quarter of the target counts as idle again.
         for _ in 0..3 {
             let p = l.acquire(10).await;
-            step_with_delay(&l, p, MS / 4 - Duration::from_micros(1));
+            step_with_delay(&l, p, NET + MS / 4 - Duration::from_micros(1));
         }
         assert_eq!(l.window(), 4);
     }
 
     #[tokio::test]
     async fn a_slow_step_halves_the_window_once_per_round_trip_down_to_one() {
-        let l = limiter(8);
+        let l = remote(8).await;
         for _ in 0..200 {
             let p = l.acquire(10).await;
-            step_with_delay(&l, p, Duration::ZERO);
+            step_with_delay(&l, p, NET);
         }
         // Eight steps sent with the full window; all come back late: one cut only.
         let mut permits = Vec::new();
@@ -587,12 +681,12 @@ mod tests {
         // And it grows back, once the pacing at the floor is over.
         while !l.pause().is_zero() {
             let p = l.acquire(10).await;
-            step_with_delay(&l, p, Duration::ZERO);
+            step_with_delay(&l, p, NET);
         }
         assert_eq!(l.window(), 1);
         for _ in 0..3 {
             let p = l.acquire(10).await;
-            step_with_delay(&l, p, Duration::ZERO);
+            step_with_delay(&l, p, NET);
         }
         assert_eq!(l.window(), 3);
     }
@@ -623,16 +717,13 @@ mod tests {
 
     #[tokio::test]
     async fn at_the_floor_a_slow_step_paces_and_fast_steps_end_it_before_the_window_grows() {
-        let l = limiter(8);
-        // A step with nothing queued sets the base delay.
-        let p = l.acquire(10).await;
-        step_with_delay(&l, p, Duration::ZERO);
-        // The first cuts the window from 2 to 1; then pacing starts.
+        let l = remote(8).await;
+        // The first slow step cuts the window from 2 to 1; then pacing starts.
         for _ in 0..3 {
             let p = l.acquire(10).await;
             step_with_delay(&l, p, 5 * MS);
         }
-        assert_eq!(l.window(), 1);
+        assert_eq!((l.window(), l.cuts()), (1, 1));
         assert_eq!(
             l.pause(),
             Duration::from_micros(500),
@@ -649,17 +740,17 @@ mod tests {
             started.elapsed() >= 20 * MS,
             "the step waited out the pause"
         );
-        step_with_delay(&l, p, Duration::ZERO);
+        step_with_delay(&l, p, NET);
         assert_eq!(l.pause(), 10 * MS);
         // 10, 5, 2.5, 1.25, 0.625, 0.3125 ms, then under 250 us: none.
         for _ in 0..6 {
             let p = l.acquire(10).await;
-            step_with_delay(&l, p, Duration::ZERO);
+            step_with_delay(&l, p, NET);
         }
         assert_eq!(l.pause(), Duration::ZERO);
         assert_eq!(l.window(), 1, "the window grows only once pacing is over");
         let p = l.acquire(10).await;
-        step_with_delay(&l, p, Duration::ZERO);
+        step_with_delay(&l, p, NET);
         assert_eq!(l.window(), 2);
     }
 
