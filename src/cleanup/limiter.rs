@@ -30,7 +30,9 @@
 //!   (the base a fraction of a step) so keeps one step in flight, and a lookup waits for
 //!   the rest of that one step; a worker whose Redis is a long round trip away keeps two
 //!   or more, and Redis need not wait for the round trips. A window above that ceiling
-//!   (the base dropped) comes down to it at the next answer, without a cut;
+//!   (the base dropped) comes down to it at the next answer, without a cut. Where a step
+//!   spans a cluster's masters (layouts `keys` and `conns`), the window is not held at
+//!   one step: it starts at two and grows up to its ceiling as above;
 //! - at the floor of one step, W workers still keep W steps queued; a delay over the target
 //!   there starts pacing instead: a pause before each step (250 us, doubled per round trip
 //!   while the delay stays over, at most 20 targets), halved per step under the target;
@@ -158,6 +160,9 @@ pub struct Limiter {
     target: Duration,
     max_window: usize,
     order: StepOrder,
+    /// A step spans a cluster's masters (layouts `keys` and `conns` on a cluster): the
+    /// window is not held at one step.
+    spans_masters: bool,
     state: Mutex<State>,
     metrics: Option<LimiterMetrics>,
 }
@@ -252,19 +257,20 @@ impl Drop for Permit {
 
 impl Limiter {
     /// A limiter keeping the queue delay near `target` (must not be zero: a zero target
-    /// means no limiter), with at most `max_window` steps in flight.
+    /// means no limiter), with at most `max_window` steps in flight, for steps on one
+    /// node or (`spans_masters`) spanning a cluster's masters.
     pub fn new(
         target: Duration,
         max_window: usize,
         order: StepOrder,
+        spans_masters: bool,
         metrics: Option<LimiterMetrics>,
     ) -> Arc<Self> {
         let max_window = max_window.max(1);
-        // Start at one step: a zone outage makes every worker start at once, and a burst
-        // of full windows would queue them all in Redis before the first answer. Where
-        // the round trip is long enough to widen it, the window reaches its ceiling
-        // within a few dozen steps when Redis keeps up.
-        let window = 1;
+        // Start low: a zone outage makes every worker start at once, and a burst of full
+        // windows would queue them all in Redis before the first answer. Where the window
+        // may widen, it reaches its ceiling within a few dozen steps when Redis keeps up.
+        let window = if spans_masters { 2.min(max_window) } else { 1 };
         if let Some(m) = &metrics {
             m.window.set(window as i64);
             m.in_flight.set(0);
@@ -273,6 +279,7 @@ impl Limiter {
             target,
             max_window,
             order,
+            spans_masters,
             state: Mutex::new(State {
                 window,
                 in_flight: 0,
@@ -296,10 +303,18 @@ impl Limiter {
         target_ms: u64,
         max_window: usize,
         order: StepOrder,
+        spans_masters: bool,
         metrics: Option<LimiterMetrics>,
     ) -> Option<Arc<Self>> {
-        (target_ms > 0)
-            .then(|| Limiter::new(Duration::from_millis(target_ms), max_window, order, metrics))
+        (target_ms > 0).then(|| {
+            Limiter::new(
+                Duration::from_millis(target_ms),
+                max_window,
+                order,
+                spans_masters,
+                metrics,
+            )
+        })
     }
 
     pub fn target(&self) -> Duration {
@@ -405,7 +420,10 @@ impl Limiter {
 
     /// The widest the window may grow with `base` the delay a step sees with nothing
     /// queued: one step in flight, unless that delay is at least a quarter of a step's
-    /// execution (half the target until a step was measured). Redis is idle for about
+    /// execution (half the target until a step was measured), or the steps span a
+    /// cluster's masters (each master idles while the others' scripts and the round trip
+    /// complete a step, so the window keeps them busy; a step of layout `hash` on a
+    /// cluster is one script on one master, as on one node). Redis is idle for about
     /// `base` between one step's answer and the next step with one in flight; a second
     /// step queued behind the running one fills that gap, but every lookup then waits for
     /// it too, which is worth it only where the gap is a sizeable share of Redis's time.
@@ -413,7 +431,7 @@ impl Limiter {
         let step_us = state
             .us_per_step
             .unwrap_or(self.target.as_micros() as f64 / 2.0);
-        if base.as_micros() as f64 * f64::from(IDLE_FRACTION) >= step_us {
+        if self.spans_masters || base.as_micros() as f64 * f64::from(IDLE_FRACTION) >= step_us {
             self.max_window
         } else {
             1
@@ -514,7 +532,7 @@ mod tests {
     const MS: Duration = Duration::from_millis(1);
 
     fn limiter(max: usize) -> Arc<Limiter> {
-        Limiter::new(MS, max, StepOrder::SmallestFirst, None)
+        Limiter::new(MS, max, StepOrder::SmallestFirst, false, None)
     }
 
     /// Completes one step that waited `delay` in Redis' queue.
@@ -525,8 +543,8 @@ mod tests {
 
     #[test]
     fn a_target_of_zero_means_no_limiter() {
-        assert!(Limiter::for_target(0, 8, StepOrder::SmallestFirst, None).is_none());
-        let l = Limiter::for_target(2, 8, StepOrder::RoundRobin, None).unwrap();
+        assert!(Limiter::for_target(0, 8, StepOrder::SmallestFirst, false, None).is_none());
+        let l = Limiter::for_target(2, 8, StepOrder::RoundRobin, false, None).unwrap();
         assert_eq!(l.target(), 2 * MS);
         assert_eq!(l.order(), StepOrder::RoundRobin);
     }
@@ -618,6 +636,18 @@ mod tests {
         let p = l.acquire(10).await;
         step_with_delay(&l, p, Duration::ZERO);
         assert_eq!((l.window(), l.cuts()), (1, 0));
+    }
+
+    #[tokio::test]
+    async fn steps_spanning_masters_grow_the_window_whatever_the_round_trip() {
+        let l = Limiter::new(MS, 8, StepOrder::RoundRobin, true, None);
+        assert_eq!(l.window(), 2);
+        for _ in 0..200 {
+            let p = l.acquire(10).await;
+            p.limiter.as_ref().unwrap().observe_step(MS / 2, 250);
+            step_with_delay(&l, p, Duration::ZERO);
+        }
+        assert_eq!((l.window(), l.cuts()), (8, 0));
     }
 
     #[tokio::test]
@@ -786,7 +816,7 @@ mod tests {
 
     #[tokio::test]
     async fn round_robin_grants_in_the_order_asked() {
-        let l = Limiter::new(MS, 1, StepOrder::RoundRobin, None);
+        let l = Limiter::new(MS, 1, StepOrder::RoundRobin, false, None);
         let first = l.acquire(0).await;
         let a = tokio::spawn({
             let l = l.clone();

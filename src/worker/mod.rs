@@ -104,6 +104,8 @@ impl Worker {
                 settings.latency_target_ms,
                 settings.concurrency * settings.chunks_in_flight,
                 settings.step_order,
+                // A chunk's step spans the masters, unless the registry is one hash.
+                settings.redis_cluster && settings.layout != crate::config::Layout::Hash,
                 Some(metrics.steps.clone()),
             )),
             health: Health::new(Duration::from_secs(60)),
