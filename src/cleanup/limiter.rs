@@ -10,7 +10,7 @@
 //!   time the step waited behind other commands, plus the network's round trip and the
 //!   worker's own scheduling, which no queue in Redis causes: so the lowest such delay
 //!   seen lately (over the current and the previous minute, as LEDBAT keeps its base
-//!   delay; after 16 steps, zero before) is the base, and what a step waited above it is
+//!   delay; from the 16th step, zero before) is the base, and what a step waited above it is
 //!   its queue delay. A 1 ms
 //!   target then holds where the network alone takes 1 ms or more (another zone, TLS, a
 //!   hosted Redis), which would otherwise keep the worker paced at its slowest for good;
@@ -30,9 +30,10 @@
 //!   (the base a fraction of a step) so keeps one step in flight, and a lookup waits for
 //!   the rest of that one step; a worker whose Redis is a long round trip away keeps two
 //!   or more, and Redis need not wait for the round trips. A window above that ceiling
-//!   (the base dropped) comes down to it at the next answer, without a cut. Where a step
-//!   spans a cluster's masters (layouts `keys` and `conns`), the window is not held at
-//!   one step: it starts at two and grows up to its ceiling as above;
+//!   (the base dropped, or the steps grew longer) comes down to it at the next measured
+//!   answer, without a cut. Where a step spans a cluster's masters (layouts `keys` and
+//!   `conns`), this rule does not apply: the window starts at two and grows up to
+//!   `concurrency * chunks_in_flight` whatever the base delay;
 //! - at the floor of one step, W workers still keep W steps queued; a delay over the target
 //!   there starts pacing instead: a pause before each step (250 us, doubled per round trip
 //!   while the delay stays over, at most 20 targets), halved per step under the target;
@@ -53,7 +54,9 @@
 //! On a cluster a step is part of a chunk's check-and-delete (its scripts on the masters,
 //! in parallel), of the step size times the masters its entries spread over; the longest
 //! script's execution time and entries stand for the step, and a chunk sends up to
-//! `chunks_in_flight` steps at once, in the order asked (see `Cleaner::clean_on_cluster`).
+//! `chunks_in_flight` steps at once, in the order asked, as far as the window lets them
+//! (one after another at a window of one: layout `hash`, whose step is one script on the
+//! master of `registry`) (see `Cleaner::clean_on_cluster`).
 
 use std::{
     cmp::Reverse,
