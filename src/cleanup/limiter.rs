@@ -31,7 +31,9 @@
 //!   the rest of that one step; a worker whose Redis is a long round trip away keeps two
 //!   or more, and Redis need not wait for the round trips. A window above that ceiling
 //!   (the base dropped, or the steps grew longer) comes down to it at the next measured
-//!   answer, without a cut. Where a step spans a cluster's masters (layouts `keys` and
+//!   answer, without a cut of its own; a window already wider than one keeps its ceiling
+//!   until the base is under an eighth of a step, so that a base near a quarter does not
+//!   flip it between one and two. Where a step spans a cluster's masters (layouts `keys` and
 //!   `conns`), this rule does not apply: the window starts at two and grows up to
 //!   `concurrency * chunks_in_flight` whatever the base delay;
 //! - at the floor of one step, W workers still keep W steps queued; a delay over the target
@@ -430,11 +432,19 @@ impl Limiter {
     /// `base` between one step's answer and the next step with one in flight; a second
     /// step queued behind the running one fills that gap, but every lookup then waits for
     /// it too, which is worth it only where the gap is a sizeable share of Redis's time.
+    /// A window already wider than one keeps its ceiling until the delay is under an
+    /// eighth of a step: near a quarter, the averaged step time alone would otherwise
+    /// flip the window between one and two from one answer to the next.
     fn ceiling(&self, state: &State, base: Duration) -> usize {
         let step_us = state
             .us_per_step
             .unwrap_or(self.target.as_micros() as f64 / 2.0);
-        if self.spans_masters || base.as_micros() as f64 * f64::from(IDLE_FRACTION) >= step_us {
+        let fraction = if state.window > 1 {
+            2 * IDLE_FRACTION
+        } else {
+            IDLE_FRACTION
+        };
+        if self.spans_masters || base.as_micros() as f64 * f64::from(fraction) >= step_us {
             self.max_window
         } else {
             1
@@ -462,10 +472,6 @@ impl Limiter {
             let base = state.base.observe(delay);
             let delay = delay.saturating_sub(base);
             let ceiling = self.ceiling(&state, base);
-            if state.window > ceiling {
-                state.window = ceiling;
-                state.grown = 0;
-            }
             if let Some(m) = &self.metrics {
                 m.queue_delay.observe(delay.as_secs_f64());
             }
@@ -505,6 +511,12 @@ impl Limiter {
             }
             // Otherwise work was queued in front of the step: Redis was busy, the window
             // holds.
+            // A window over its ceiling comes down to it (after a cut, which a slow step
+            // makes from the window it was sent with).
+            if state.window > ceiling {
+                state.window = ceiling;
+                state.grown = 0;
+            }
         }
         while state.in_flight < state.window {
             let Some(Reverse(waiter)) = state.waiting.pop() else {
@@ -635,7 +647,42 @@ mod tests {
             step_with_delay(&l, p, Duration::from_micros(100));
         }
         assert_eq!((l.window(), l.cuts()), (8, 0));
-        // The round trip drops (the worker moved next to Redis): back to one step, no cut.
+        // Steps of 500 us again: the round trip is a fifth of a step, over the eighth that
+        // a wide window keeps its ceiling down to: it holds.
+        for _ in 0..200 {
+            let p = l.acquire(10).await;
+            p.limiter.as_ref().unwrap().observe_step(MS / 2, 250);
+            step_with_delay(&l, p, Duration::from_micros(100));
+        }
+        assert_eq!((l.window(), l.cuts()), (8, 0));
+        // Steps of 900 us: the round trip is under an eighth of a step: one step, no cut.
+        for _ in 0..20 {
+            let p = l.acquire(10).await;
+            p.limiter
+                .as_ref()
+                .unwrap()
+                .observe_step(Duration::from_micros(900), 450);
+            step_with_delay(&l, p, Duration::from_micros(100));
+        }
+        assert_eq!((l.window(), l.cuts()), (1, 0));
+        // And it stays there at 500 us steps: a window of one widens only from a quarter.
+        for _ in 0..200 {
+            let p = l.acquire(10).await;
+            p.limiter.as_ref().unwrap().observe_step(MS / 2, 250);
+            step_with_delay(&l, p, Duration::from_micros(100));
+        }
+        assert_eq!((l.window(), l.cuts()), (1, 0));
+        // Back to 300 us steps, then the round trip drops (the worker moved next to
+        // Redis): back to one step, no cut.
+        for _ in 0..200 {
+            let p = l.acquire(10).await;
+            p.limiter
+                .as_ref()
+                .unwrap()
+                .observe_step(Duration::from_micros(300), 150);
+            step_with_delay(&l, p, Duration::from_micros(100));
+        }
+        assert_eq!(l.window(), 8);
         let p = l.acquire(10).await;
         step_with_delay(&l, p, Duration::ZERO);
         assert_eq!((l.window(), l.cuts()), (1, 0));
@@ -722,6 +769,26 @@ mod tests {
             step_with_delay(&l, p, NET);
         }
         assert_eq!(l.window(), 3);
+    }
+
+    #[tokio::test]
+    async fn a_slow_step_that_also_lowers_the_ceiling_cuts_and_does_not_pace() {
+        let l = remote(8).await;
+        for _ in 0..200 {
+            let p = l.acquire(10).await;
+            step_with_delay(&l, p, NET);
+        }
+        assert_eq!(l.window(), 8);
+        // A step of 5 ms, late: the round trip is now far under an eighth of a step.
+        let p = l.acquire(10).await;
+        p.limiter.as_ref().unwrap().observe_step(5 * MS, 250);
+        step_with_delay(&l, p, NET + 5 * MS);
+        assert_eq!((l.window(), l.cuts()), (1, 1));
+        assert_eq!(
+            l.pause(),
+            Duration::ZERO,
+            "a cut of the window it was sent with"
+        );
     }
 
     #[tokio::test]
