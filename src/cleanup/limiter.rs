@@ -623,65 +623,50 @@ mod tests {
         l
     }
 
+    /// Completes `n` steps, each measured at `execution` for `members` and waiting `delay`
+    /// (round trip minus execution) in all.
+    async fn measured_steps(
+        l: &Arc<Limiter>,
+        n: usize,
+        execution: Duration,
+        members: u64,
+        delay: Duration,
+    ) {
+        for _ in 0..n {
+            let p = l.acquire(10).await;
+            l.observe_step(execution, members);
+            step_with_delay(l, p, delay);
+        }
+    }
+
     #[tokio::test]
     async fn a_worker_near_redis_keeps_one_step_in_flight() {
+        const RTT: Duration = Duration::from_micros(100);
+        const SHORT: Duration = Duration::from_micros(300);
         // Steps of 500 us that found Redis idle, with a round trip of 100 us: a second
         // step in flight would save Redis 100 us of idling per step, and cost every
         // lookup a whole step of waiting.
         let l = limiter(8);
         assert_eq!(l.window(), 1);
-        for _ in 0..200 {
-            let p = l.acquire(10).await;
-            p.limiter.as_ref().unwrap().observe_step(MS / 2, 250);
-            step_with_delay(&l, p, Duration::from_micros(100));
-        }
+        measured_steps(&l, 200, MS / 2, 250, RTT).await;
         assert_eq!((l.window(), l.cuts()), (1, 0));
         // Steps of 300 us at the same round trip: it is a third of a step now, and the
         // window grows.
-        for _ in 0..200 {
-            let p = l.acquire(10).await;
-            p.limiter
-                .as_ref()
-                .unwrap()
-                .observe_step(Duration::from_micros(300), 150);
-            step_with_delay(&l, p, Duration::from_micros(100));
-        }
+        measured_steps(&l, 200, SHORT, 150, RTT).await;
         assert_eq!((l.window(), l.cuts()), (8, 0));
         // Steps of 500 us again: the round trip is a fifth of a step, over the eighth that
         // a wide window keeps its ceiling down to: it holds.
-        for _ in 0..200 {
-            let p = l.acquire(10).await;
-            p.limiter.as_ref().unwrap().observe_step(MS / 2, 250);
-            step_with_delay(&l, p, Duration::from_micros(100));
-        }
+        measured_steps(&l, 200, MS / 2, 250, RTT).await;
         assert_eq!((l.window(), l.cuts()), (8, 0));
         // Steps of 900 us: the round trip is under an eighth of a step: one step, no cut.
-        for _ in 0..20 {
-            let p = l.acquire(10).await;
-            p.limiter
-                .as_ref()
-                .unwrap()
-                .observe_step(Duration::from_micros(900), 450);
-            step_with_delay(&l, p, Duration::from_micros(100));
-        }
+        measured_steps(&l, 20, Duration::from_micros(900), 450, RTT).await;
         assert_eq!((l.window(), l.cuts()), (1, 0));
         // And it stays there at 500 us steps: a window of one widens only from a quarter.
-        for _ in 0..200 {
-            let p = l.acquire(10).await;
-            p.limiter.as_ref().unwrap().observe_step(MS / 2, 250);
-            step_with_delay(&l, p, Duration::from_micros(100));
-        }
+        measured_steps(&l, 200, MS / 2, 250, RTT).await;
         assert_eq!((l.window(), l.cuts()), (1, 0));
         // Back to 300 us steps, then the round trip drops (the worker moved next to
         // Redis): back to one step, no cut.
-        for _ in 0..200 {
-            let p = l.acquire(10).await;
-            p.limiter
-                .as_ref()
-                .unwrap()
-                .observe_step(Duration::from_micros(300), 150);
-            step_with_delay(&l, p, Duration::from_micros(100));
-        }
+        measured_steps(&l, 200, SHORT, 150, RTT).await;
         assert_eq!(l.window(), 8);
         let p = l.acquire(10).await;
         step_with_delay(&l, p, Duration::ZERO);
@@ -692,11 +677,7 @@ mod tests {
     async fn steps_spanning_masters_grow_the_window_whatever_the_round_trip() {
         let l = Limiter::new(MS, 8, StepOrder::RoundRobin, true, None);
         assert_eq!(l.window(), 2);
-        for _ in 0..200 {
-            let p = l.acquire(10).await;
-            p.limiter.as_ref().unwrap().observe_step(MS / 2, 250);
-            step_with_delay(&l, p, Duration::ZERO);
-        }
+        measured_steps(&l, 200, MS / 2, 250, Duration::ZERO).await;
         assert_eq!((l.window(), l.cuts()), (8, 0));
     }
 
@@ -780,9 +761,7 @@ mod tests {
         }
         assert_eq!(l.window(), 8);
         // A step of 5 ms, late: the round trip is now far under an eighth of a step.
-        let p = l.acquire(10).await;
-        p.limiter.as_ref().unwrap().observe_step(5 * MS, 250);
-        step_with_delay(&l, p, NET + 5 * MS);
+        measured_steps(&l, 1, 5 * MS, 250, NET + 5 * MS).await;
         assert_eq!((l.window(), l.cuts()), (1, 1));
         assert_eq!(
             l.pause(),
