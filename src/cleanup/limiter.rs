@@ -38,8 +38,12 @@
 //!   `concurrency * chunks_in_flight` whatever the base delay;
 //! - at the floor of one step, W workers still keep W steps queued; a delay over the target
 //!   there starts pacing instead: a pause before each step (250 us, doubled per round trip
-//!   while the delay stays over, at most 20 targets), halved per step under the target;
-//!   the window grows again only once the pause is gone;
+//!   while the delay stays over, at most 20 targets), halved per step under the target,
+//!   and gone once no step was measured for 40 targets (the queue it answered has drained
+//!   since); the window grows again only once the pause is gone;
+//! - a step's execution is read off Redis's clock and its round trip off the worker's: a
+//!   step whose execution is longer than its round trip (Redis's clock stepped during it)
+//!   frees its place unmeasured;
 //! - a step cannot be interrupted, so a lookup waits for the queue in front of it and for
 //!   the rest of the step that is running: the step's size (members per step) follows
 //!   too, so that one step runs for about half the target (the queue gets the other
@@ -76,6 +80,10 @@ pub const MIN_STEP: usize = 100;
 /// The shortest pause when pacing, and the longest, in targets.
 const MIN_PAUSE: Duration = Duration::from_micros(250);
 const MAX_PAUSE_TARGETS: u32 = 20;
+/// A pause lapses when no step was measured for this many targets (twice the longest
+/// pause): it answered a queue that has had time to drain since, so the next cleanup
+/// (an hour later, or after a run of failed steps) does not start paced.
+const PAUSE_LAPSES_TARGETS: u32 = 2 * MAX_PAUSE_TARGETS;
 
 /// A step whose queue delay is under the target divided by this found Redis (nearly) idle:
 /// it counts toward the window's growth.
@@ -191,6 +199,8 @@ struct State {
     cuts: u64,
     /// At the floor of one step, a pause before each step (see [`Limiter::acquire`]).
     pause: Duration,
+    /// When a step's answer was last measured (see [`PAUSE_LAPSES_TARGETS`]).
+    measured_at: Option<Instant>,
     /// Execution time per member walked, averaged over the steps (microseconds).
     us_per_member: Option<f64>,
     /// Execution time of a step, averaged over the steps (microseconds).
@@ -244,6 +254,15 @@ impl Permit {
     pub fn complete(mut self, execution: Duration, members: u64) {
         if let Some(limiter) = self.limiter.take() {
             let round_trip = self.sent.elapsed();
+            // The execution is read off Redis's wall clock (TIME), the round trip off this
+            // process's monotonic one: an execution longer than the round trip is a clock
+            // step on Redis's host during the step, not a measurement. Taken as one, its
+            // delay of zero would become the base delay, and every later step's network
+            // would count as queueing until the base's periods turned over.
+            if execution > round_trip {
+                limiter.release(None);
+                return;
+            }
             if members > 0 {
                 limiter.observe_step(execution, members);
             }
@@ -292,6 +311,7 @@ impl Limiter {
                 last_cut: None,
                 cuts: 0,
                 pause: Duration::ZERO,
+                measured_at: None,
                 us_per_member: None,
                 us_per_step: None,
                 base: BaseDelay::new(),
@@ -354,7 +374,7 @@ impl Limiter {
             if state.waiting.is_empty() && state.in_flight < state.window {
                 state.in_flight += 1;
                 self.show(&state);
-                Err((self.permit(), state.pause))
+                Err((self.permit(), self.pause_now(&mut state)))
             } else {
                 let (tx, rx) = oneshot::channel();
                 let key = match self.order {
@@ -385,7 +405,7 @@ impl Limiter {
                 self.permit()
             }
         };
-        let pause = crate::lock::lock(&self.state).pause;
+        let pause = self.pause_now(&mut crate::lock::lock(&self.state));
         self.paced(permit, pause).await
     }
 
@@ -453,7 +473,19 @@ impl Limiter {
 
     /// The pause before each step now (zero unless the window is at its floor of one).
     pub fn pause(&self) -> Duration {
-        crate::lock::lock(&self.state).pause
+        self.pause_now(&mut crate::lock::lock(&self.state))
+    }
+
+    /// The pause, once it has lapsed ([`PAUSE_LAPSES_TARGETS`]) zero.
+    fn pause_now(&self, state: &mut State) -> Duration {
+        if !state.pause.is_zero()
+            && state
+                .measured_at
+                .is_some_and(|at| at.elapsed() >= self.target * PAUSE_LAPSES_TARGETS)
+        {
+            state.pause = Duration::ZERO;
+        }
+        state.pause
     }
 
     fn permit(self: &Arc<Self>) -> Permit {
@@ -469,6 +501,7 @@ impl Limiter {
         let mut state = crate::lock::lock(&self.state);
         state.in_flight -= 1;
         if let Some((sent, delay)) = measured {
+            state.measured_at = Some(Instant::now());
             let base = state.base.observe(delay);
             let delay = delay.saturating_sub(base);
             let ceiling = self.ceiling(&state, base);
@@ -574,23 +607,15 @@ mod tests {
         );
         assert_eq!(l.step_size(50), 50, "never more than chunk_size");
         // 1000 members in 2.5 ms: 2.5 us each, so about 200 fit in half the 1 ms target.
-        l.acquire(10)
-            .await
-            .complete(Duration::from_micros(2500), 1000);
+        measured_steps(&l, 1, Duration::from_micros(2500), 1000, Duration::ZERO).await;
         assert_eq!(l.step_size(1000), 200);
         // Never more than chunk_size, never fewer than MIN_STEP (or chunk_size if smaller).
         assert_eq!(l.step_size(150), 150);
-        for _ in 0..50 {
-            l.acquire(10).await.complete(Duration::from_millis(50), 100);
-        }
+        measured_steps(&l, 50, Duration::from_millis(50), 100, Duration::ZERO).await;
         assert_eq!(l.step_size(1000), MIN_STEP);
         assert_eq!(l.step_size(50), 50);
         // Fast steps bring it back up to chunk_size.
-        for _ in 0..50 {
-            l.acquire(10)
-                .await
-                .complete(Duration::from_micros(100), 1000);
-        }
+        measured_steps(&l, 50, Duration::from_micros(100), 1000, Duration::ZERO).await;
         assert_eq!(l.step_size(1000), 1000);
         // A step measured at 0 us (under TIME's resolution): as fast as can be.
         let z = limiter(8);
@@ -768,6 +793,47 @@ mod tests {
             Duration::ZERO,
             "a cut of the window it was sent with"
         );
+    }
+
+    #[tokio::test]
+    async fn a_step_longer_than_its_round_trip_is_no_measurement() {
+        // A Redis 5 ms away, the window grown to its widest.
+        let l = limiter(8);
+        for _ in 0..BASE_SAMPLES + 100 {
+            let p = l.acquire(10).await;
+            step_with_delay(&l, p, 5 * MS);
+        }
+        assert_eq!((l.window(), l.pause()), (8, Duration::ZERO));
+        // Redis's clock steps forward during a step: its execution, read off that clock,
+        // is longer than the round trip the worker measured.
+        l.acquire(10).await.complete(6 * MS, 100);
+        for _ in 0..30 {
+            let p = l.acquire(10).await;
+            step_with_delay(&l, p, 5 * MS);
+        }
+        assert_eq!(
+            (l.window(), l.pause(), l.cuts()),
+            (8, Duration::ZERO, 0),
+            "the network's 5 ms is still the base delay, not queueing"
+        );
+        // Nor did it count as a step of 100 members in 6 ms.
+        assert_eq!(l.step_size(1000), MIN_STEP);
+    }
+
+    #[tokio::test]
+    async fn a_pause_lapses_once_no_step_was_measured_for_40_targets() {
+        let l = remote(8).await;
+        for _ in 0..3 {
+            let p = l.acquire(10).await;
+            step_with_delay(&l, p, 5 * MS);
+        }
+        assert_eq!(l.pause(), Duration::from_micros(500));
+        // Steps that fail free their places unmeasured: the pause holds.
+        drop(l.acquire(10).await);
+        assert_eq!(l.pause(), Duration::from_micros(500));
+        // No step measured for over 40 targets (40 ms): the next step goes unpaced.
+        tokio::time::sleep(41 * MS).await;
+        assert_eq!(l.pause(), Duration::ZERO);
     }
 
     #[tokio::test]
