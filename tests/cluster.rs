@@ -701,6 +701,145 @@ async fn reverse_index_drift_is_repaired_on_a_cluster_conns_layout() {
     reverse_index_drift_is_repaired_on_a_cluster(Layout::Conns).await;
 }
 
+/// A forward key of another type (a List written by something else) is no entry of the
+/// layout, as on one node: the reverse sweep on a cluster leaves it and its member in the
+/// set, drops that member once it is due in `moved` (its entry names no server), and goes
+/// on with the other members and the other live servers. Server `gw-a#1` is swept before
+/// `gw-b#1` (live servers are listed by name), so `gw-b#1`'s set is swept after the
+/// member of another type.
+async fn a_forward_key_of_another_type_leaves_the_reverse_sweep_going(layout: Layout) {
+    use registry_janitor::{metrics::Metrics, reconcile::Reconciler};
+    let Some(f) = ClusterFixture::start(3, 0, layout, 200).await else {
+        return;
+    };
+    let (a, b) = (server("gw-a#1"), server("gw-b#1"));
+    seed(&f.registry, &f.conn, &a, 10).await;
+    seed(&f.registry, &f.conn, &b, 10).await;
+    // User 1 of `a` reconnects on `b`, user 2 of `b` on `a`; neither old server removes
+    // its member.
+    let (left_a, left_b) = (entry(layout, &a, 1), entry(layout, &b, 2));
+    f.registry.register(&f.conn, &left_a, &b).await.unwrap();
+    f.registry.register(&f.conn, &left_b, &a).await.unwrap();
+    // Two members of `a` whose forward keys are Lists: one in its set, one set aside long
+    // ago (due for settling).
+    let (listed, aside) = (entry(layout, &a, 900), entry(layout, &a, 901));
+    let list_key = |member: &[u8]| f.keys.forward_of_member(layout, member).unwrap().0;
+    let mut c = f.conn.clone();
+    for member in [&listed, &aside] {
+        let _: () = redis::cmd("RPUSH")
+            .arg(list_key(member))
+            .arg("not-an-owner")
+            .query_async(&mut c)
+            .await
+            .unwrap();
+    }
+    let _: () = redis::cmd("SADD")
+        .arg(f.keys.server_users(&a))
+        .arg(&listed)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("ZADD")
+        .arg(f.keys.server_moved(&a))
+        .arg(1)
+        .arg(&aside)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+
+    let reconciler = Reconciler::new(&f.settings, Metrics::new()).await.unwrap();
+    let report = reconciler.run_once().await;
+
+    let c = f.conn.clone();
+    let in_set = |s: &registry_janitor::event::ServerId, member: &[u8]| {
+        let (key, member, mut c) = (f.keys.server_users(s), member.to_vec(), c.clone());
+        async move {
+            redis::cmd("SISMEMBER")
+                .arg(key)
+                .arg(member)
+                .query_async::<bool>(&mut c)
+                .await
+                .unwrap()
+        }
+    };
+    let set_aside = |s: &registry_janitor::event::ServerId, member: &[u8]| {
+        let (key, member, mut c) = (f.keys.server_moved(s), member.to_vec(), c.clone());
+        async move {
+            redis::cmd("ZSCORE")
+                .arg(key)
+                .arg(member)
+                .query_async::<Option<f64>>(&mut c)
+                .await
+                .unwrap()
+                .is_some()
+        }
+    };
+    assert!(
+        !in_set(&a, &left_a).await,
+        "the moved user left in gw-a#1's set"
+    );
+    assert!(set_aside(&a, &left_a).await, "the moved user not set aside");
+    assert!(
+        !in_set(&b, &left_b).await,
+        "the moved user left in gw-b#1's set"
+    );
+    assert!(set_aside(&b, &left_b).await, "the moved user not set aside");
+    assert!(
+        in_set(&a, &listed).await,
+        "the member of a List left the set"
+    );
+    assert!(
+        !set_aside(&a, &listed).await,
+        "the member of a List set aside"
+    );
+    assert!(
+        !set_aside(&a, &aside).await && !in_set(&a, &aside).await,
+        "the due member of a List not dropped"
+    );
+    for member in [&listed, &aside] {
+        let (kind, items): (String, Vec<String>) = redis::pipe()
+            .cmd("TYPE")
+            .arg(list_key(member))
+            .cmd("LRANGE")
+            .arg(list_key(member))
+            .arg(0)
+            .arg(-1)
+            .query_async(&mut c.clone())
+            .await
+            .unwrap();
+        assert_eq!(
+            (kind.as_str(), items),
+            ("list", vec!["not-an-owner".to_owned()])
+        );
+    }
+    let owners = f
+        .registry
+        .owners(&f.conn, &[left_a.clone(), left_b.clone()])
+        .await
+        .unwrap();
+    assert_eq!(
+        owners,
+        [Some(b.as_str().to_owned()), Some(a.as_str().to_owned())],
+        "the moved users' entries"
+    );
+    let report = report.expect("the reconcile cycle");
+    assert_eq!(
+        (report.sweep.live_servers, report.sweep.members_removed),
+        (2, 2),
+        "{report}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forward_key_of_another_type_leaves_the_reverse_sweep_going_keys_layout() {
+    a_forward_key_of_another_type_leaves_the_reverse_sweep_going(Layout::Keys).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forward_key_of_another_type_leaves_the_reverse_sweep_going_conns_layout() {
+    a_forward_key_of_another_type_leaves_the_reverse_sweep_going(Layout::Conns).await;
+}
+
 /// Dead letters on a cluster: written (XADD, then XACK), listed, replayed (XADD, then
 /// XDEL: the two streams are in different slots) and purged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -37,6 +37,35 @@ pub async fn each_in_flight<T: redis::FromRedisValue + Send + 'static>(
         .collect::<redis::RedisResult<Vec<T>>>()?)
 }
 
+/// [`each_in_flight`] with each command's reply on its own: an error reply (WRONGTYPE, for
+/// one) is that command's `Err` and the others still answer. The outer `Err` is a failure
+/// of the whole call (the connection).
+pub async fn each_reply_in_flight<T: redis::FromRedisValue + Send + 'static>(
+    conn: &RedisConn,
+    cmds: Vec<redis::Cmd>,
+) -> Result<Vec<redis::RedisResult<T>>> {
+    use futures_util::StreamExt;
+    if !conn.is_cluster() {
+        if cmds.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut pipe = redis::pipe();
+        pipe.ignore_errors();
+        for cmd in cmds {
+            pipe.add_command(cmd);
+        }
+        return Ok(pipe.query_async(&mut conn.clone()).await?);
+    }
+    let calls = cmds.into_iter().map(|cmd| {
+        let mut c = conn.clone();
+        async move { cmd.query_async::<T>(&mut c).await }
+    });
+    Ok(futures_util::stream::iter(calls)
+        .buffered(CLUSTER_IN_FLIGHT)
+        .collect()
+        .await)
+}
+
 /// Runs `cmds` as one MULTI/EXEC on a single node: no other client's command runs between
 /// them, and a command refused when queued (syntax, arity, ACL, OOM) discards them all.
 /// It is **not** all or nothing on errors: a command that fails at EXEC time (WRONGTYPE,

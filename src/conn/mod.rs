@@ -39,7 +39,7 @@ pub use cluster::{
     cluster_epoch, cluster_masters, key_slot, node_client, wait_replicated, Replicated, SlotOwners,
 };
 pub use cluster_conn::{ClusterConn, REBUILD_AFTER};
-pub use commands::{delete_prefixed, each_in_flight, scan_page, transaction};
+pub use commands::{delete_prefixed, each_in_flight, each_reply_in_flight, scan_page, transaction};
 pub use sentinel::{SentinelConn, SentinelTarget};
 
 /// Longest a short command may take before it counts as failed (and is retried).

@@ -65,6 +65,8 @@ impl Reconciler {
     /// reverse_page_cluster.lua reads a page of the set and the members due for settling,
     /// the owners of both are read here, and reverse_apply_cluster.lua sets aside, puts
     /// back and drops (its header says why reading the owners outside it is safe).
+    /// A forward key of another type is no entry ([`crate::registry::Registry::owners`]):
+    /// its member stays in the set, or is dropped when due in `moved`, as on one node.
     /// The SSCAN cursor belongs to the node that issued it: after a failover of that slot a
     /// cycle may miss members, which the next cycle finds. Returns (next cursor, members
     /// scanned, members set aside).

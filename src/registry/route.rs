@@ -173,18 +173,20 @@ impl Registry {
     }
 
     /// Owners of many users at once (HMGET or MGET; layout `conns`: one HGET per member),
-    /// in order.
+    /// in order. A forward key of another type (layouts `keys` and `conns`) holds no entry
+    /// of the layout: its owner is none, as MGET reads it and as the scripts on one node
+    /// read it. Layout `hash`: a `registry` of another type is an error, as on one node.
     pub async fn owners(&self, conn: &RedisConn, users: &[Vec<u8>]) -> Result<Vec<Option<String>>> {
         self.owners_as(conn, users).await
     }
 
-    /// [`Registry::owners`] as `T`: `Option<Vec<u8>>` where an owner written by something
-    /// else than a connection server may be any bytes.
+    /// [`Registry::owners`] as `T`: `Vec<u8>` where an owner written by something else than
+    /// a connection server may be any bytes.
     pub async fn owners_as<T: redis::FromRedisValue + Send + 'static>(
         &self,
         conn: &RedisConn,
         users: &[Vec<u8>],
-    ) -> Result<Vec<T>> {
+    ) -> Result<Vec<Option<T>>> {
         if users.is_empty() {
             return Ok(Vec::new());
         }
@@ -209,7 +211,7 @@ impl Registry {
                         redis::cmd("HGET").arg(key).arg(field).to_owned()
                     })
                     .collect();
-                crate::conn::each_in_flight(conn, gets).await?
+                entries_read(crate::conn::each_reply_in_flight(conn, gets).await?)?
             }
             Layout::Keys if conn.is_cluster() => {
                 // No MGET across slots: one GET per user, many in flight, in order.
@@ -217,7 +219,7 @@ impl Registry {
                     .iter()
                     .map(|u| redis::cmd("GET").arg(self.keys.user(u)).to_owned())
                     .collect();
-                crate::conn::each_in_flight(conn, gets).await?
+                entries_read(crate::conn::each_reply_in_flight(conn, gets).await?)?
             }
             Layout::Keys => {
                 let keys: Vec<Vec<u8>> = users.iter().map(|u| self.keys.user(u)).collect();
@@ -229,6 +231,18 @@ impl Registry {
         };
         Ok(owners)
     }
+}
+
+/// The replies of single-key reads of forward entries (GET, HGET), in order: a key of
+/// another type (WRONGTYPE) is no entry, so none; any other error fails the read.
+fn entries_read<T>(replies: Vec<redis::RedisResult<Option<T>>>) -> Result<Vec<Option<T>>> {
+    replies
+        .into_iter()
+        .map(|reply| match reply {
+            Err(e) if e.code() == Some("WRONGTYPE") => Ok(None),
+            reply => Ok(reply?),
+        })
+        .collect()
 }
 
 /// Servers whose liveness keys are read per round trip by [`have_liveness_keys`].
