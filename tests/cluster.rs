@@ -1306,6 +1306,107 @@ async fn a_wrong_type_at_the_stream_name_refuses_the_cleanup_on_a_cluster() {
     assert!((0..500).all(|n| announced.contains(&user(&dead, n))));
 }
 
+/// A dead server's reverse set names a user whose entry's key holds a List: no entry of
+/// the layout. The cleanup on a cluster leaves that key as it is and never announces
+/// that user; it deletes and announces the others.
+async fn a_user_key_of_another_type_on_a_cluster(layout: Layout) {
+    let Some(f) = ClusterFixture::start(3, 0, layout, 100).await else {
+        return;
+    };
+    let dead = server("gw-dead#1");
+    seed(&f.registry, &f.conn, &dead, 60).await;
+    let odd = entry(layout, &dead, 7);
+    let (key, _) = f.keys.forward_of_member(layout, &odd).unwrap();
+    let mut c = f.conn.clone();
+    let _: () = redis::cmd("DEL")
+        .arg(&key)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("RPUSH")
+        .arg(&key)
+        .arg("not an entry")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let cleaner = registry_janitor::cleanup::Cleaner::new(f.keys.clone(), layout, 100, 1);
+    let stop = tokio_util::sync::CancellationToken::new();
+    let report = cleaner.clean(&f.conn, &dead, &stop, |_| {}).await.unwrap();
+    let left: Vec<String> = redis::cmd("LRANGE")
+        .arg(&key)
+        .arg(0)
+        .arg(-1)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert_eq!(left, ["not an entry"], "the List is untouched");
+    let others: Vec<Vec<u8>> = (0..60)
+        .filter(|n| *n != 7)
+        .map(|n| entry(layout, &dead, n))
+        .collect();
+    let owners = f.registry.owners(&f.conn, &others).await.unwrap();
+    assert!(owners.iter().all(Option::is_none), "{owners:?}");
+    assert_eq!(report.deleted, 59, "{report:?}");
+    let (announced, _) = evictions_of(&f.conn, &f.keys).await;
+    let announced: std::collections::HashSet<_> = announced.into_iter().map(|(_, u)| u).collect();
+    assert!(
+        !announced.contains(&odd),
+        "the user whose key is a List is announced as evicted"
+    );
+    for u in &others {
+        assert!(announced.contains(u), "{u:?} deleted and never announced");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_key_of_another_type_is_not_announced_on_a_cluster_keys_layout() {
+    a_user_key_of_another_type_on_a_cluster(Layout::Keys).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_key_of_another_type_is_not_announced_on_a_cluster_conns_layout() {
+    a_user_key_of_another_type_on_a_cluster(Layout::Conns).await;
+}
+
+/// The per-slot check-and-delete (check_delete.lua, which takes the keys of a moving
+/// slot on a cluster; on one node here): a key of another type is neither deleted nor
+/// reported absent.
+async fn the_per_slot_check_delete_skips_a_key_of_another_type(layout: Layout) {
+    let f = Fixture::new(layout);
+    let dead = server("gw-dead#1");
+    seed(&f.registry, &f.conn, &dead, 5).await;
+    let odd = entry(layout, &dead, 2);
+    let (key, _) = f.keys.forward_of_member(layout, &odd).unwrap();
+    let _: () = f.query(redis::cmd("DEL").arg(&key)).await;
+    let _: () = f.query(redis::cmd("RPUSH").arg(&key).arg("x")).await;
+    let gone = entry(layout, &dead, 3);
+    let (gone_key, _) = f.keys.forward_of_member(layout, &gone).unwrap();
+    let _: () = f.query(redis::cmd("DEL").arg(&gone_key)).await;
+    let members: Vec<Vec<u8>> = (0..5).map(|n| entry(layout, &dead, n)).collect();
+    let checked =
+        registry_janitor::forward::check_delete(&f.conn, &f.keys, layout, &dead, &members)
+            .await
+            .unwrap();
+    assert_eq!((checked.deleted, checked.kept), (3, 0));
+    assert_eq!(
+        checked.absent_users,
+        vec![gone],
+        "only the missing key is absent"
+    );
+    let len: u64 = f.query(redis::cmd("LLEN").arg(&key)).await;
+    assert_eq!(len, 1, "the List is untouched");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_per_slot_check_delete_skips_a_key_of_another_type_keys_layout() {
+    the_per_slot_check_delete_skips_a_key_of_another_type(Layout::Keys).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_per_slot_check_delete_skips_a_key_of_another_type_conns_layout() {
+    the_per_slot_check_delete_skips_a_key_of_another_type(Layout::Conns).await;
+}
+
 /// The EVALSHA calls (check-and-delete scripts) the masters ran to completion since
 /// their stats were reset (a NOSCRIPT reply counts as a failed call).
 fn evalsha_calls(cluster: &RedisCluster) -> u64 {
@@ -1339,8 +1440,8 @@ fn evalsha_calls(cluster: &RedisCluster) -> u64 {
 /// Layout `keys` on a cluster: a chunk of users, whose keys fall in hundreds of slots,
 /// is checked and deleted by one script per master, with the per-slot script's answer:
 /// deleted only where the entry still names the dead server, the others kept, and the
-/// users deleted and those without an entry (none, or not a string) named; also on a
-/// master over maxmemory.
+/// users deleted and those without an entry named (a key of another type is in neither,
+/// and never deleted); also on a master over maxmemory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chunk_of_keys_is_one_script_per_master() {
     use std::collections::HashSet;
@@ -1360,7 +1461,7 @@ async fn a_chunk_of_keys_is_one_script_per_master() {
             .await
             .unwrap();
     }
-    // Not a forward entry: read as none, as MGET in the per-slot script reads it.
+    // Not a forward entry: neither deleted nor absent, as in the per-slot script.
     let _: () = redis::cmd("DEL")
         .arg(f.keys.user(&ids[15]))
         .query_async(&mut f.conn.clone())
@@ -1393,7 +1494,13 @@ async fn a_chunk_of_keys_is_one_script_per_master() {
     let deleted: HashSet<_> = checked.deleted_users.into_iter().collect();
     assert_eq!(deleted, ids[16..].iter().cloned().collect());
     let absent: HashSet<_> = checked.absent_users.into_iter().collect();
-    assert_eq!(absent, ids[10..16].iter().cloned().collect());
+    assert_eq!(absent, ids[10..15].iter().cloned().collect());
+    let hash_left: u64 = redis::cmd("HLEN")
+        .arg(f.keys.user(&ids[15]))
+        .query_async(&mut f.conn.clone())
+        .await
+        .unwrap();
+    assert_eq!(hash_left, 1, "the key of another type is left as it is");
     let _: i64 = redis::cmd("DEL")
         .arg(f.keys.user(&ids[15]))
         .query_async(&mut f.conn.clone())

@@ -12,8 +12,9 @@
 -- time in microseconds}: the positions (1-based, in the order given) of the users whose
 -- entry this call deleted, and of those that had no entry (the evictions stream on a
 -- cluster announces both: an absent entry may be one whose delete was done by an attempt
--- that never announced it). The execution time (TIME at the start and the end) is what
--- the step limiter compares the round trip with.
+-- that never announced it). A key of another type than the layout's (no entry of the
+-- layout, never deleted) is in neither. The execution time (TIME at the start and the
+-- end) is what the step limiter compares the round trip with.
 
 local started = redis.call('TIME')
 local server, hash_layout, conns_layout = ARGV[1], ARGV[2] == 'hash', ARGV[2] == 'conns'
@@ -25,6 +26,8 @@ else
 end
 local deleted, kept = 0, 0
 local deleted_at, absent_at = {}, {}
+-- The owner read for a key of another type than the layout's: no entry.
+local NOT_ENTRY = {}
 for first = 1, #names, BATCH do
   local last = math.min(first + BATCH - 1, #names)
   local owners
@@ -34,15 +37,27 @@ for first = 1, #names, BATCH do
     owners = {}
     for i = first, last do
       local owner = redis.pcall('HGET', KEYS[i], names[i])
-      if type(owner) ~= 'string' then owner = false end
+      if type(owner) == 'table' then
+        owner = NOT_ENTRY -- WRONGTYPE
+      elseif type(owner) ~= 'string' then
+        owner = false
+      end
       owners[#owners + 1] = owner
     end
   else
     owners = redis.call('MGET', unpack(names, first, last))
+    -- MGET reads a key of another type as none: told from an absent key by EXISTS.
+    for i = 1, #owners do
+      if not owners[i] and redis.call('EXISTS', names[first + i - 1]) == 1 then
+        owners[i] = NOT_ENTRY
+      end
+    end
   end
   local doomed, n = {}, 0
   for i = 1, #owners do
-    if owners[i] == server then
+    if owners[i] == NOT_ENTRY then
+      -- Neither deleted, kept nor absent.
+    elseif owners[i] == server then
       n = n + 1
       doomed[n] = names[first + i - 1]
       deleted_at[#deleted_at + 1] = first + i - 1

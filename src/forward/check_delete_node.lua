@@ -19,8 +19,9 @@
 --   id; the entry is that field (HGET, HDEL: Redis deletes the Hash with its last field).
 -- Returns {entries deleted, entries kept, positions deleted, positions absent,
 -- positions not served here, execution time in microseconds}: positions 1-based in the
--- entries given (the first key, or the first pair, is 1); the execution time (TIME at the
--- start and the end) is what the step limiter compares the round trip with.
+-- entries given (the first key, or the first pair, is 1); a key of another type (no
+-- entry of the layout) is in none of them. The execution time (TIME at the start and the
+-- end) is what the step limiter compares the round trip with.
 
 local started = redis.call('TIME')
 local server, conns = ARGV[1], ARGV[2] == 'conns'
@@ -38,10 +39,10 @@ for i = 3, #ARGV, step do
     owner = redis.pcall('GET', key)
   end
   if type(owner) == 'table' and owner.err then
-    if string.sub(owner.err, 1, 9) == 'WRONGTYPE' then
-      -- Not a forward entry: MGET in check_delete.lua reads it as none.
-      absent_at[#absent_at + 1] = at
-    else
+    -- A key of another type (WRONGTYPE) is no forward entry: neither deleted, kept nor
+    -- absent (the caller announces absent entries), as in check_delete.lua. Any other
+    -- error: the key is not served here.
+    if string.sub(owner.err, 1, 9) ~= 'WRONGTYPE' then
       elsewhere_at[#elsewhere_at + 1] = at
     end
   elseif owner == server then
