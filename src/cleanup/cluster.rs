@@ -165,6 +165,8 @@ impl Cleaner {
         .await?;
         let mut epoch =
             retrying_counted("cluster epoch", stop, Some(&errors), || cluster_epoch(conn)).await?;
+        // The cleanup's totals (deleted, kept) known so far: see [`totals_known`].
+        let mut totals = (0, 0);
         loop {
             if stop.is_cancelled() {
                 flush_errors();
@@ -175,10 +177,14 @@ impl Cleaner {
                 .await?;
             report.add(&step);
             on_step(&step);
+            totals = totals_known(
+                totals,
+                (step.deleted, step.kept),
+                (advanced.deleted, advanced.kept),
+            );
             match advanced.advanced {
                 Advanced::Done => {
                     flush_errors();
-                    let totals = (advanced.deleted, advanced.kept);
                     let event = entry.map(|entry| (entry, event_id, totals));
                     if self
                         .finish_on_cluster(conn, server, event, &mut report, stop)
@@ -283,12 +289,15 @@ impl Cleaner {
             };
         }
         let saw_errors = errors.get() > 0;
+        // The chunk's token: the same on every retry of its advance, so that one whose
+        // first attempt ran (its reply lost) does not count the chunk again.
+        let token = format!("{:016x}", rand::random::<u64>());
         let advanced = retrying_counted("cleanup advance", stop, Some(errors), || {
             self.cluster_advance(
                 conn,
                 server,
                 &chunk,
-                (deleted, kept),
+                (deleted, kept, &token),
                 (*epoch, in_use),
                 saw_errors,
             )
@@ -501,12 +510,13 @@ impl Cleaner {
         Ok(call.invoke_async(&mut conn.clone()).await?)
     }
 
+    /// cluster_advance.lua for `chunk`, with its counts (deleted, kept) and its token.
     async fn cluster_advance(
         &self,
         conn: &RedisConn,
         server: &ServerId,
         chunk: &Chunk,
-        (deleted, kept): (u64, u64),
+        (deleted, kept, token): (u64, u64, &str),
         (epoch, in_use): (u64, u32),
         saw_errors: bool,
     ) -> Result<Advance> {
@@ -525,9 +535,22 @@ impl Cleaner {
             .arg(kept)
             .arg(self.build.format)
             .arg(self.build.min)
-            .arg(in_use);
+            .arg(in_use)
+            .arg(token);
         Ok(call.invoke_async(&mut conn.clone()).await?)
     }
+}
+
+/// The cleanup's totals (deleted, kept) known after a chunk: those known before plus the
+/// chunk's own counts, or the progress record's totals in the advance's reply where they
+/// are greater (they hold what other workers counted too). A reply of 'done' to a retried
+/// advance whose first attempt ended the cleanup finds the record gone and answers 0, 0:
+/// the totals known stand.
+fn totals_known(before: (u64, u64), chunk: (u64, u64), reply: (u64, u64)) -> (u64, u64) {
+    (
+        (before.0 + chunk.0).max(reply.0),
+        (before.1 + chunk.1).max(reply.1),
+    )
 }
 
 #[cfg(test)]
@@ -576,5 +599,145 @@ mod tests {
         assert_eq!(advance("done").unwrap().deleted, 5);
         let err = advance("sideways").unwrap_err().to_string();
         assert!(err.contains("cluster_advance.lua"), "{err}");
+    }
+
+    /// The key names of one dead server's walk, in one hash tag (so a plain node takes
+    /// them, as one cluster slot does).
+    struct Walk {
+        keys: crate::keys::Keys,
+        server: ServerId,
+        build: crate::format::Build,
+    }
+
+    impl Walk {
+        fn scan(&self, c: &mut redis::Connection, size: usize) -> Chunk {
+            CLUSTER_SCAN
+                .key(self.keys.server_users(&self.server))
+                .key(self.keys.server_walking(&self.server))
+                .key(self.keys.server_cleanup(&self.server))
+                .key(self.keys.server_moved(&self.server))
+                .arg(size)
+                .arg(1)
+                .arg(self.build.format)
+                .arg(self.build.min)
+                .arg(self.build.format)
+                .invoke(c)
+                .unwrap()
+        }
+
+        fn advance(
+            &self,
+            c: &mut redis::Connection,
+            chunk: &Chunk,
+            (deleted, kept): (u64, u64),
+            token: &str,
+        ) -> Advance {
+            CLUSTER_ADVANCE
+                .key(self.keys.server_users(&self.server))
+                .key(self.keys.server_walking(&self.server))
+                .key(self.keys.server_cleanup(&self.server))
+                .key(self.keys.server_moved(&self.server))
+                .arg(&chunk.walk)
+                .arg(&chunk.at)
+                .arg(chunk.next.as_str())
+                .arg(chunk.members.len())
+                .arg(1)
+                .arg("0")
+                .arg(deleted)
+                .arg(kept)
+                .arg(self.build.format)
+                .arg(self.build.min)
+                .arg(self.build.format)
+                .arg(token)
+                .invoke(c)
+                .unwrap()
+        }
+    }
+
+    fn walk_of(c: &mut redis::Connection, members: usize) -> Walk {
+        let walk = Walk {
+            keys: crate::keys::Keys::new("t:"),
+            server: ServerId::parse("gw-a#1").unwrap(),
+            build: crate::format::Build::compiled(),
+        };
+        let members: Vec<String> = (0..members).map(|n| format!("u{n}")).collect();
+        redis::cmd("SADD")
+            .arg(walk.keys.server_users(&walk.server))
+            .arg(&members)
+            .exec(c)
+            .unwrap();
+        walk
+    }
+
+    /// An advance retried after its first attempt ran (its reply lost) answers 'raced',
+    /// with the chunk counted once in the totals; another chunk's advance adds its own.
+    #[test]
+    fn a_retried_advance_counts_its_chunk_once() {
+        let redis = registry_janitor_testkit::RedisServer::start().unwrap();
+        let mut c = redis::Client::open(redis.url())
+            .unwrap()
+            .get_connection()
+            .unwrap();
+        let walk = walk_of(&mut c, 500);
+        let chunk = walk.scan(&mut c, 10);
+        assert!(matches!(chunk.next, Next::At(_)), "{chunk:?}");
+        let first = walk.advance(&mut c, &chunk, (7, 2), "a1");
+        assert_eq!(
+            (first.advanced, first.deleted, first.kept),
+            (Advanced::Moved, 7, 2)
+        );
+        let retried = walk.advance(&mut c, &chunk, (7, 2), "a1");
+        assert_eq!(
+            (retried.advanced, retried.deleted, retried.kept),
+            (Advanced::Raced, 7, 2),
+            "the retry counts the chunk a second time"
+        );
+        let next = walk.scan(&mut c, 10);
+        assert_eq!(next.at, chunk.next.as_str());
+        let second = walk.advance(&mut c, &next, (3, 1), "b2");
+        assert_eq!(
+            (second.advanced, second.deleted, second.kept),
+            (Advanced::Moved, 10, 3)
+        );
+    }
+
+    /// The last chunk's advance answered 'done' and removed the progress record; its retry
+    /// answers 'done' with 0, 0, and the totals known before stand.
+    #[test]
+    fn a_retried_last_advance_keeps_the_cleanups_totals() {
+        let redis = registry_janitor_testkit::RedisServer::start().unwrap();
+        let mut c = redis::Client::open(redis.url())
+            .unwrap()
+            .get_connection()
+            .unwrap();
+        let walk = walk_of(&mut c, 3);
+        let chunk = walk.scan(&mut c, 10);
+        assert_eq!(chunk.next, Next::End, "{chunk:?}");
+        let done = walk.advance(&mut c, &chunk, (2, 1), "c3");
+        assert_eq!(
+            (done.advanced, done.deleted, done.kept),
+            (Advanced::Done, 2, 1)
+        );
+        let known = totals_known((0, 0), (2, 1), (done.deleted, done.kept));
+        assert_eq!(known, (2, 1));
+        let retried = walk.advance(&mut c, &chunk, (2, 1), "c3");
+        assert_eq!(retried.advanced, Advanced::Done);
+        assert_eq!(
+            totals_known((0, 0), (2, 1), (retried.deleted, retried.kept)),
+            (2, 1),
+            "server.cleaned would say deleted={} kept={}",
+            retried.deleted,
+            retried.kept
+        );
+    }
+
+    #[test]
+    fn the_totals_known_are_the_chunks_counted_or_the_records_if_greater() {
+        // Another worker's chunks are in the record's totals.
+        assert_eq!(totals_known((10, 3), (5, 1), (40, 9)), (40, 9));
+        // The record is gone (a retried 'done'): the totals known plus the chunk.
+        assert_eq!(totals_known((10, 3), (5, 1), (0, 0)), (15, 4));
+        // Each total on its own.
+        assert_eq!(totals_known((10, 3), (5, 1), (12, 8)), (15, 8));
     }
 }

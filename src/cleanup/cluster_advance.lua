@@ -22,6 +22,10 @@
 -- duplicate worker deleted other users than the winner's.
 -- ARGV[9] the worker's format  ARGV[10] the oldest format it works under
 -- ARGV[11] the format in use, as the worker read it before this chunk
+-- ARGV[12] the chunk's token (unique to the chunk, the same on every retry of its
+-- advance): stored in `advance` with the chunk's counts, which are added only while
+-- `advance` holds another token, so a retried advance whose first attempt ran counts
+-- the chunk once.
 -- Returns {'done', 'again', 'advanced' or 'raced', total deleted, total kept}: the totals
 -- of the cleanup so far, for server.cleaned (before the progress hash goes, on 'done').
 --
@@ -53,9 +57,10 @@ end
 -- `allow-oom`: these small bookkeeping writes go through when Redis is out of memory,
 -- since the cleanup is what frees it. The totals are informative, and best effort
 -- (pcall) all the same.
-if redis.call('EXISTS', KEYS[3]) == 1 then
+if recorded and redis.call('HGET', KEYS[3], 'advance') ~= ARGV[12] then
   if tonumber(ARGV[7]) > 0 then redis.pcall('HINCRBY', KEYS[3], 'evicted', ARGV[7]) end
   if tonumber(ARGV[8]) > 0 then redis.pcall('HINCRBY', KEYS[3], 'kept', ARGV[8]) end
+  redis.pcall('HSET', KEYS[3], 'advance', ARGV[12])
 end
 
 if redis.call('EXISTS', KEYS[2]) == 0 then
