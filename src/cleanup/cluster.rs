@@ -3,11 +3,15 @@
 //! scan (cluster_scan.lua), the check-and-delete ([`crate::forward::check_delete`]: per
 //! slot, or for layout `keys` per master), advance the cursor (cluster_advance.lua).
 
-use std::sync::LazyLock;
+use std::{
+    future::Future,
+    sync::{Arc, LazyLock},
+    time::Duration,
+};
 
 use tokio_util::sync::CancellationToken;
 
-use super::{Cleaner, Report, Step};
+use super::{limiter::Limiter, Cleaner, Report, Step};
 use crate::{
     conn::{cluster_epoch, RedisConn},
     error::{Error, Result},
@@ -433,8 +437,8 @@ impl Cleaner {
     }
 
     /// One step of a chunk's check-and-delete, through the limiter when there is one: a
-    /// permit before it, and its longest script's execution time reported with the round
-    /// trip (its scripts are what a lookup waits behind).
+    /// permit per attempt (see [`retrying_limited`]), and its longest script's execution
+    /// time reported with the round trip (its scripts are what a lookup waits behind).
     async fn limited_check_delete(
         &self,
         conn: &RedisConn,
@@ -443,26 +447,21 @@ impl Cleaner {
         errors: &prometheus::IntCounter,
         stop: &CancellationToken,
     ) -> Result<crate::forward::Checked> {
-        let mut permit = match (&self.limiter, members.is_empty()) {
-            (Some(limiter), false) => Some(limiter.acquire(0).await),
-            _ => None,
-        };
-        if let Some(permit) = permit.as_mut() {
-            permit.sent();
-        }
-        let failed_before = errors.get();
-        let checked = retrying_counted("cleanup delete", stop, Some(errors), || {
-            crate::forward::check_delete(conn, &self.keys, self.layout, server, members)
-        })
-        .await?;
-        // Measured only when one attempt did it all on the masters' scripts: retries,
-        // their pauses and the per-slot scripts of keys that moved are no queue in Redis
-        // (the permit is then given back unmeasured).
-        let clean = errors.get() == failed_before && checked.rechecked == 0;
-        if let (Some(permit), Some((execution, entries)), true) = (permit, checked.longest, clean) {
-            permit.complete(execution, entries);
-        }
-        Ok(checked)
+        let limiter = self.limiter.as_ref().filter(|_| !members.is_empty());
+        // Measured only when the attempt did it all on the masters' scripts: the per-slot
+        // scripts of keys that moved are no queue in Redis (the permit is then given back
+        // unmeasured).
+        let measured =
+            |checked: &crate::forward::Checked| checked.longest.filter(|_| checked.rechecked == 0);
+        retrying_limited(
+            "cleanup delete",
+            stop,
+            Some(errors),
+            limiter,
+            measured,
+            || crate::forward::check_delete(conn, &self.keys, self.layout, server, members),
+        )
+        .await
     }
 
     /// Members of one check-and-delete step: `chunk_size`, or with a limiter as many as
@@ -539,6 +538,47 @@ impl Cleaner {
             .arg(token);
         Ok(call.invoke_async(&mut conn.clone()).await?)
     }
+}
+
+/// `op` retried as [`retrying_counted`] retries it, each attempt with a permit of its own
+/// from `limiter` (when there is one), taken before the attempt is sent and given back as
+/// it ends: the pauses between attempts hold no place in the window, so other cleanups'
+/// steps go meanwhile. The permit of an attempt that succeeded is completed with what
+/// `measured` makes of its result (execution time, entries), or given back unmeasured
+/// when that is `None`; a failed attempt's is given back unmeasured.
+async fn retrying_limited<T, F, Fut>(
+    what: &str,
+    stop: &CancellationToken,
+    errors: Option<&prometheus::IntCounter>,
+    limiter: Option<&Arc<Limiter>>,
+    measured: impl Fn(&T) -> Option<(Duration, u64)>,
+    mut op: F,
+) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T>>,
+{
+    let measured = &measured;
+    retrying_counted(what, stop, errors, || {
+        let attempt = op();
+        async move {
+            let mut permit = match limiter {
+                Some(limiter) => Some(limiter.acquire(0).await),
+                None => None,
+            };
+            if let Some(permit) = permit.as_mut() {
+                permit.sent();
+            }
+            let result = attempt.await;
+            if let (Some(permit), Ok(value)) = (permit, &result) {
+                if let Some((execution, entries)) = measured(value) {
+                    permit.complete(execution, entries);
+                }
+            }
+            result
+        }
+    })
+    .await
 }
 
 /// The cleanup's totals (deleted, kept) known after a chunk: those known before plus the
@@ -729,6 +769,77 @@ mod tests {
             retried.deleted,
             retried.kept
         );
+    }
+
+    /// A check-and-delete part whose attempts fail (a real Redis refusing writes with OOM,
+    /// retryable) holds no permit through the pauses between its attempts: another
+    /// cleanup's step on the same limiter (window of one) gets its permit meanwhile.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_retrying_part_lets_another_cleanups_step_through_the_window() {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        let redis = registry_janitor_testkit::RedisServer::start().unwrap();
+        let client = redis::Client::open(redis.url()).unwrap();
+        let c = client.get_multiplexed_async_connection().await.unwrap();
+        let set_maxmemory = |bytes: u64| {
+            let mut c = c.clone();
+            async move {
+                redis::cmd("CONFIG")
+                    .arg("SET")
+                    .arg("maxmemory")
+                    .arg(bytes)
+                    .exec_async(&mut c)
+                    .await
+                    .unwrap();
+            }
+        };
+        set_maxmemory(1).await;
+        let limiter = Limiter::new(
+            Duration::from_millis(50),
+            1,
+            super::super::limiter::StepOrder::RoundRobin,
+            false,
+            None,
+        );
+        assert_eq!(limiter.window(), 1);
+        let stop = CancellationToken::new();
+        let attempts = AtomicU64::new(0);
+        let part = retrying_limited(
+            "test part",
+            &stop,
+            None,
+            Some(&limiter),
+            |_: &()| None,
+            || {
+                let mut c = c.clone();
+                let attempts = &attempts;
+                async move {
+                    attempts.fetch_add(1, Ordering::SeqCst);
+                    redis::cmd("SET")
+                        .arg("k")
+                        .arg("v")
+                        .exec_async(&mut c)
+                        .await?;
+                    Ok::<(), Error>(())
+                }
+            },
+        );
+        let other = async {
+            while attempts.load(Ordering::SeqCst) < 2 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            let permit = tokio::time::timeout(Duration::from_secs(3), limiter.acquire(0)).await;
+            let got = permit.is_ok();
+            drop(permit);
+            set_maxmemory(0).await;
+            got
+        };
+        let (part, got) = tokio::join!(part, other);
+        part.unwrap();
+        assert!(
+            got,
+            "another cleanup's step waited 3 s for a permit while the part was retrying"
+        );
+        assert_eq!(limiter.in_flight(), 0);
     }
 
     #[test]

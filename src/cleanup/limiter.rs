@@ -52,7 +52,8 @@
 //!   `chunk_size`; [`MIN_STEP`] until a step was measured.
 //!
 //! Every worker that sees the queue grow backs off, so the fleet's queue converges near the
-//! target whatever the number of processes. A step acquires a permit before it is sent;
+//! target whatever the number of processes. A step acquires a permit before it is sent
+//! (each attempt of it: a retry's pause holds no permit);
 //! waiting steps get permits in the order of `step_order`: `smallest_first` (the cleanup
 //! with the fewest members left, shortest job first) or `round_robin` (in the order asked,
 //! which interleaves the cleanups).
