@@ -39,8 +39,8 @@
 //! - at the floor of one step, W workers still keep W steps queued; a delay over the target
 //!   there starts pacing instead: a pause before each step (250 us, doubled per round trip
 //!   while the delay stays over, at most 20 targets), halved per step under the target,
-//!   and gone once no step was measured for 40 targets (the queue it answered has drained
-//!   since); the window grows again only once the pause is gone;
+//!   and gone once no step was in flight for a second (or 40 targets, if longer: the queue
+//!   it answered has drained since); the window grows again only once the pause is gone;
 //! - a step's execution is read off Redis's clock and its round trip off the worker's: a
 //!   step whose execution is longer than its round trip (Redis's clock stepped during it)
 //!   frees its place unmeasured;
@@ -81,10 +81,12 @@ pub const MIN_STEP: usize = 100;
 /// The shortest pause when pacing, and the longest, in targets.
 const MIN_PAUSE: Duration = Duration::from_micros(250);
 const MAX_PAUSE_TARGETS: u32 = 20;
-/// A pause lapses when no step was measured for this many targets (twice the longest
-/// pause): it answered a queue that has had time to drain since, so the next cleanup
-/// (an hour later, or after a run of failed steps) does not start paced.
-const PAUSE_LAPSES_TARGETS: u32 = 2 * MAX_PAUSE_TARGETS;
+/// A pause lapses once no step was in flight for this long, or for twice the longest
+/// pause (40 targets) where that is longer: it answered a queue that has drained since, so
+/// a cleanup an hour later does not start paced. Long enough that the round trips a
+/// cleanup makes outside the limiter (a cluster chunk's scan and advance) and a retry's
+/// first pauses keep it.
+const PAUSE_LAPSES_AFTER: Duration = Duration::from_secs(1);
 
 /// A step whose queue delay is under the target divided by this found Redis (nearly) idle:
 /// it counts toward the window's growth.
@@ -200,8 +202,8 @@ struct State {
     cuts: u64,
     /// At the floor of one step, a pause before each step (see [`Limiter::acquire`]).
     pause: Duration,
-    /// When a step's answer was last measured (see [`PAUSE_LAPSES_TARGETS`]).
-    measured_at: Option<Instant>,
+    /// When a permit was last given back, measured or not (see [`PAUSE_LAPSES_AFTER`]).
+    released_at: Option<Instant>,
     /// Execution time per member walked, averaged over the steps (microseconds).
     us_per_member: Option<f64>,
     /// Execution time of a step, averaged over the steps (microseconds).
@@ -312,7 +314,7 @@ impl Limiter {
                 last_cut: None,
                 cuts: 0,
                 pause: Duration::ZERO,
-                measured_at: None,
+                released_at: None,
                 us_per_member: None,
                 us_per_step: None,
                 base: BaseDelay::new(),
@@ -373,9 +375,10 @@ impl Limiter {
             let mut state = crate::lock::lock(&self.state);
             state.asked += 1;
             if state.waiting.is_empty() && state.in_flight < state.window {
+                let pause = self.pause_now(&mut state);
                 state.in_flight += 1;
                 self.show(&state);
-                Err((self.permit(), self.pause_now(&mut state)))
+                Err((self.permit(), pause))
             } else {
                 let (tx, rx) = oneshot::channel();
                 let key = match self.order {
@@ -477,12 +480,12 @@ impl Limiter {
         self.pause_now(&mut crate::lock::lock(&self.state))
     }
 
-    /// The pause, once it has lapsed ([`PAUSE_LAPSES_TARGETS`]) zero.
+    /// The pause, once it has lapsed ([`PAUSE_LAPSES_AFTER`]) zero.
     fn pause_now(&self, state: &mut State) -> Duration {
+        let lapse = PAUSE_LAPSES_AFTER.max(self.target * 2 * MAX_PAUSE_TARGETS);
         if !state.pause.is_zero()
-            && state
-                .measured_at
-                .is_some_and(|at| at.elapsed() >= self.target * PAUSE_LAPSES_TARGETS)
+            && state.in_flight == 0
+            && state.released_at.is_some_and(|at| at.elapsed() >= lapse)
         {
             state.pause = Duration::ZERO;
         }
@@ -501,8 +504,8 @@ impl Limiter {
     fn release(self: &Arc<Self>, measured: Option<(Instant, Duration)>) {
         let mut state = crate::lock::lock(&self.state);
         state.in_flight -= 1;
+        state.released_at = Some(Instant::now());
         if let Some((sent, delay)) = measured {
-            state.measured_at = Some(Instant::now());
             let base = state.base.observe(delay);
             let delay = delay.saturating_sub(base);
             let ceiling = self.ceiling(&state, base);
@@ -822,18 +825,25 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_pause_lapses_once_no_step_was_measured_for_40_targets() {
+    async fn a_pause_lapses_once_no_step_ran_for_a_second() {
         let l = remote(8).await;
         for _ in 0..3 {
             let p = l.acquire(10).await;
             step_with_delay(&l, p, 5 * MS);
         }
         assert_eq!(l.pause(), Duration::from_micros(500));
-        // Steps that fail free their places unmeasured: the pause holds.
+        // A step that fails frees its place unmeasured, and a retry's first pauses or a
+        // cluster chunk's scan and advance come between steps: the pause holds.
         drop(l.acquire(10).await);
+        tokio::time::sleep(100 * MS).await;
         assert_eq!(l.pause(), Duration::from_micros(500));
-        // No step measured for over 40 targets (40 ms): the next step goes unpaced.
-        tokio::time::sleep(41 * MS).await;
+        // A step in flight all along keeps it too.
+        let held = l.acquire(10).await;
+        tokio::time::sleep(PAUSE_LAPSES_AFTER + 50 * MS).await;
+        assert_eq!(l.pause(), Duration::from_micros(500));
+        drop(held);
+        // No step for over a second: the next cleanup starts unpaced.
+        tokio::time::sleep(PAUSE_LAPSES_AFTER + 50 * MS).await;
         assert_eq!(l.pause(), Duration::ZERO);
     }
 
