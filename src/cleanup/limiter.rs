@@ -49,7 +49,11 @@
 //!   too, so that one step runs for about half the target (the queue gets the other
 //!   half). Each step's execution time per member walked is averaged (EWMA), and a step
 //!   walks `target / 2 / time per member` members, at least [`MIN_STEP`] and at most
-//!   `chunk_size`; [`MIN_STEP`] until a step was measured.
+//!   `chunk_size`; [`MIN_STEP`] until a step was measured. Where steps wait behind other
+//!   work (their queue delay, averaged the same way, over a quarter of the target: several
+//!   workers at once), a step runs for three eighths of the target instead: each worker
+//!   keeps a step queued, a lookup may wait for one of each, and the other workers' steps
+//!   keep Redis busy all the same.
 //!
 //! Every worker that sees the queue grow backs off, so the fleet's queue converges near the
 //! target whatever the number of processes. A step acquires a permit before it is sent
@@ -208,6 +212,8 @@ struct State {
     us_per_member: Option<f64>,
     /// Execution time of a step, averaged over the steps (microseconds).
     us_per_step: Option<f64>,
+    /// Queue delay (above the base) of a step, averaged over the steps (microseconds).
+    queue_us: Option<f64>,
     /// The delay a step sees with nothing queued (network, scheduling).
     base: BaseDelay,
     /// Steps waiting for a permit, smallest key first.
@@ -317,6 +323,7 @@ impl Limiter {
                 released_at: None,
                 us_per_member: None,
                 us_per_step: None,
+                queue_us: None,
                 base: BaseDelay::new(),
                 waiting: BinaryHeap::new(),
                 asked: 0,
@@ -422,19 +429,38 @@ impl Limiter {
         permit
     }
 
-    /// Members the next step should walk: about half a target of execution, at least
+    /// Members the next step should walk: about half a target of execution (three
+    /// eighths where steps wait behind others: [`Limiter::step_goal_us`]), at least
     /// [`MIN_STEP`] and at most `chunk_size`. Until a step was measured, [`MIN_STEP`]: a
     /// whole fleet starts at once after a zone outage, and its first steps at full
     /// `chunk_size` (several ms each) all queue in front of the lookups at the same moment.
     pub fn step_size(&self, chunk_size: usize) -> usize {
-        let per_member = crate::lock::lock(&self.state).us_per_member;
+        let (per_member, goal) = {
+            let state = crate::lock::lock(&self.state);
+            (state.us_per_member, self.step_goal_us(&state))
+        };
         let floor = MIN_STEP.min(chunk_size);
         match per_member {
             // A float cast saturates: steps measured at 0 us per member fit usize::MAX.
-            Some(us) => {
-                ((self.target.as_micros() as f64 / 2.0 / us) as usize).clamp(floor, chunk_size)
-            }
+            Some(us) => ((goal / us) as usize).clamp(floor, chunk_size),
             None => floor,
+        }
+    }
+
+    /// How long a step should run, in microseconds: half the target; three eighths of it
+    /// where steps wait behind others' work (their queue delay averages over a quarter of
+    /// the target, as when several workers clean at once). Each worker then keeps a step
+    /// queued, and a lookup may wait for one of each: shorter steps shorten that wait,
+    /// while the other workers' steps keep Redis as busy.
+    fn step_goal_us(&self, state: &State) -> f64 {
+        let target = self.target.as_micros() as f64;
+        if state
+            .queue_us
+            .is_some_and(|queue| queue > target / f64::from(IDLE_FRACTION))
+        {
+            target * 3.0 / 8.0
+        } else {
+            target / 2.0
         }
     }
 
@@ -509,6 +535,7 @@ impl Limiter {
             let base = state.base.observe(delay);
             let delay = delay.saturating_sub(base);
             let ceiling = self.ceiling(&state, base);
+            state.queue_us = Some(ewma(state.queue_us, delay.as_micros() as f64));
             if let Some(m) = &self.metrics {
                 m.queue_delay.observe(delay.as_secs_f64());
             }
@@ -797,6 +824,43 @@ mod tests {
             Duration::ZERO,
             "a cut of the window it was sent with"
         );
+    }
+
+    #[tokio::test]
+    async fn steps_that_wait_behind_other_work_run_for_three_eighths_of_the_target() {
+        // 2.5 us per member, Redis idle: half the 1 ms target is 200 members.
+        let l = limiter(8);
+        measured_steps(&l, 20, Duration::from_micros(2500), 1000, Duration::ZERO).await;
+        assert_eq!(l.step_size(1000), 200);
+        // Each step waits 600 us behind other workers' steps (under the target: the
+        // window holds): once that averages over a quarter of the target, steps run for
+        // three eighths of it, 150 members.
+        measured_steps(
+            &l,
+            1,
+            Duration::from_micros(2500),
+            1000,
+            Duration::from_micros(600),
+        )
+        .await;
+        assert_eq!(
+            l.step_size(1000),
+            200,
+            "one step's wait is not yet the average"
+        );
+        measured_steps(
+            &l,
+            10,
+            Duration::from_micros(2500),
+            1000,
+            Duration::from_micros(600),
+        )
+        .await;
+        assert_eq!(l.step_size(1000), 150);
+        assert_eq!(l.cuts(), 0);
+        // Redis idle again: back to half the target.
+        measured_steps(&l, 20, Duration::from_micros(2500), 1000, Duration::ZERO).await;
+        assert_eq!(l.step_size(1000), 200);
     }
 
     #[tokio::test]
