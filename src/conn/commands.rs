@@ -8,31 +8,14 @@ use crate::{config::Settings, error::Result};
 const CLUSTER_IN_FLIGHT: usize = 64;
 
 /// Runs `cmds` (on a cluster each maybe in its own slot, where they cannot be pipelined)
-/// with many in flight; replies in order. On one node they go as one pipeline.
+/// with many in flight; replies in order, or the first command's error. On one node they
+/// go as one pipeline.
 pub async fn each_in_flight<T: redis::FromRedisValue + Send + 'static>(
     conn: &RedisConn,
     cmds: Vec<redis::Cmd>,
 ) -> Result<Vec<T>> {
-    use futures_util::StreamExt;
-    if !conn.is_cluster() {
-        if cmds.is_empty() {
-            return Ok(Vec::new());
-        }
-        let mut pipe = redis::pipe();
-        for cmd in cmds {
-            pipe.add_command(cmd);
-        }
-        return Ok(pipe.query_async(&mut conn.clone()).await?);
-    }
-    let calls = cmds.into_iter().map(|cmd| {
-        let mut c = conn.clone();
-        async move { cmd.query_async::<T>(&mut c).await }
-    });
-    let replies: Vec<redis::RedisResult<T>> = futures_util::stream::iter(calls)
-        .buffered(CLUSTER_IN_FLIGHT)
-        .collect()
-        .await;
-    Ok(replies
+    Ok(each_reply_in_flight(conn, cmds)
+        .await?
         .into_iter()
         .collect::<redis::RedisResult<Vec<T>>>()?)
 }
