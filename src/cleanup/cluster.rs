@@ -694,7 +694,20 @@ mod tests {
         }
     }
 
-    fn walk_of(c: &mut redis::Connection, members: usize) -> Walk {
+    /// A private redis-server, a connection to it, and the walk of one dead server whose
+    /// reverse set holds `members` users.
+    fn walk_of(
+        members: usize,
+    ) -> (
+        registry_janitor_testkit::RedisServer,
+        redis::Connection,
+        Walk,
+    ) {
+        let redis = registry_janitor_testkit::RedisServer::start().unwrap();
+        let mut c = redis::Client::open(redis.url())
+            .unwrap()
+            .get_connection()
+            .unwrap();
         let walk = Walk {
             keys: crate::keys::Keys::new("t:"),
             server: ServerId::parse("gw-a#1").unwrap(),
@@ -704,21 +717,16 @@ mod tests {
         redis::cmd("SADD")
             .arg(walk.keys.server_users(&walk.server))
             .arg(&members)
-            .exec(c)
+            .exec(&mut c)
             .unwrap();
-        walk
+        (redis, c, walk)
     }
 
     /// An advance retried after its first attempt ran (its reply lost) answers 'raced',
     /// with the chunk counted once in the totals; another chunk's advance adds its own.
     #[test]
     fn a_retried_advance_counts_its_chunk_once() {
-        let redis = registry_janitor_testkit::RedisServer::start().unwrap();
-        let mut c = redis::Client::open(redis.url())
-            .unwrap()
-            .get_connection()
-            .unwrap();
-        let walk = walk_of(&mut c, 500);
+        let (_redis, mut c, walk) = walk_of(500);
         let chunk = walk.scan(&mut c, 10);
         assert!(matches!(chunk.next, Next::At(_)), "{chunk:?}");
         let first = walk.advance(&mut c, &chunk, (7, 2), "a1");
@@ -745,12 +753,7 @@ mod tests {
     /// answers 'done' with 0, 0, and the totals known before stand.
     #[test]
     fn a_retried_last_advance_keeps_the_cleanups_totals() {
-        let redis = registry_janitor_testkit::RedisServer::start().unwrap();
-        let mut c = redis::Client::open(redis.url())
-            .unwrap()
-            .get_connection()
-            .unwrap();
-        let walk = walk_of(&mut c, 3);
+        let (_redis, mut c, walk) = walk_of(3);
         let chunk = walk.scan(&mut c, 10);
         assert_eq!(chunk.next, Next::End, "{chunk:?}");
         let done = walk.advance(&mut c, &chunk, (2, 1), "c3");
