@@ -59,8 +59,10 @@
 //! target whatever the number of processes. A step acquires a permit before it is sent
 //! (each attempt of it: a retry's pause holds no permit);
 //! waiting steps get permits in the order of `step_order`: `smallest_first` (the cleanup
-//! with the fewest members left, shortest job first) or `round_robin` (in the order asked,
-//! which interleaves the cleanups).
+//! with the fewest members left, shortest job first; every [`OLDEST_EVERY`]th permit goes
+//! to the step that has waited longest instead, so a large cleanup, or one whose size could
+//! not be read, still moves while smaller ones keep arriving) or `round_robin` (in the
+//! order asked, which interleaves the cleanups).
 //!
 //! On a cluster a step is part of a chunk's check-and-delete (its scripts on the masters,
 //! in parallel), of the step size times the masters its entries spread over; the longest
@@ -70,8 +72,6 @@
 //! master of `registry`) (see `Cleaner::clean_on_cluster`).
 
 use std::{
-    cmp::Reverse,
-    collections::BinaryHeap,
     sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
@@ -81,6 +81,12 @@ use tokio::sync::oneshot;
 
 /// The fewest members one step walks when steps are sized to the target.
 pub const MIN_STEP: usize = 100;
+
+/// In `smallest_first` order, one permit in this many goes to the step that has waited
+/// longest, whatever its cleanup's size: a large cleanup gets at least this share of the
+/// permits while smaller cleanups keep arriving, and the mean wait stays that of shortest
+/// job first.
+const OLDEST_EVERY: u64 = 8;
 
 /// The shortest pause when pacing, and the longest, in targets.
 const MIN_PAUSE: Duration = Duration::from_micros(250);
@@ -216,32 +222,17 @@ struct State {
     queue_us: Option<f64>,
     /// The delay a step sees with nothing queued (network, scheduling).
     base: BaseDelay,
-    /// Steps waiting for a permit, smallest key first.
-    waiting: BinaryHeap<Reverse<Waiter>>,
+    /// Steps waiting for a permit (a few: at most the cleanups' steps of one process).
+    waiting: Vec<Waiter>,
     asked: u64,
+    /// Permits given to waiting steps so far (see [`OLDEST_EVERY`]).
+    granted: u64,
 }
 
 struct Waiter {
     /// (members left, or 0 in round-robin order; order of asking)
     key: (u64, u64),
     grant: oneshot::Sender<Permit>,
-}
-
-impl PartialEq for Waiter {
-    fn eq(&self, other: &Self) -> bool {
-        self.key == other.key
-    }
-}
-impl Eq for Waiter {}
-impl PartialOrd for Waiter {
-    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(other))
-    }
-}
-impl Ord for Waiter {
-    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        self.key.cmp(&other.key)
-    }
 }
 
 /// The right to send one step. Dropped without [`Permit::complete`] (the step failed or
@@ -325,8 +316,9 @@ impl Limiter {
                 us_per_step: None,
                 queue_us: None,
                 base: BaseDelay::new(),
-                waiting: BinaryHeap::new(),
+                waiting: Vec::new(),
                 asked: 0,
+                granted: 0,
             }),
             metrics,
         })
@@ -393,10 +385,10 @@ impl Limiter {
                     StepOrder::RoundRobin => 0,
                 };
                 let asked = state.asked;
-                state.waiting.push(Reverse(Waiter {
+                state.waiting.push(Waiter {
                     key: (key, asked),
                     grant: tx,
-                }));
+                });
                 Ok(rx)
             }
         };
@@ -583,7 +575,7 @@ impl Limiter {
             }
         }
         while state.in_flight < state.window {
-            let Some(Reverse(waiter)) = state.waiting.pop() else {
+            let Some(waiter) = Self::next_waiter(&mut state) else {
                 break;
             };
             state.in_flight += 1;
@@ -594,6 +586,24 @@ impl Limiter {
             }
         }
         self.show(&state);
+    }
+
+    /// The waiting step to get the next permit: the smallest key (members left, then the
+    /// order asked), except every [`OLDEST_EVERY`]th permit, which goes to the step asked
+    /// first (the same in `round_robin` order, whose keys are all 0).
+    fn next_waiter(state: &mut State) -> Option<Waiter> {
+        if state.waiting.is_empty() {
+            return None;
+        }
+        state.granted += 1;
+        let oldest = state.granted % OLDEST_EVERY == 0;
+        let at = state
+            .waiting
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, w)| if oldest { (0, w.key.1) } else { w.key })
+            .map(|(at, _)| at)?;
+        Some(state.waiting.swap_remove(at))
     }
 
     fn show(&self, state: &State) {
@@ -1001,6 +1011,67 @@ mod tests {
             .unwrap()
             .unwrap();
         drop(big);
+        assert_eq!(l.in_flight(), 0);
+    }
+
+    /// A large cleanup is not starved while smaller ones keep asking: one permit in
+    /// [`OLDEST_EVERY`] goes to the step that has waited longest.
+    #[tokio::test]
+    async fn a_large_cleanup_gets_a_permit_while_smaller_ones_keep_asking() {
+        let l = limiter(1);
+        let waiting = |n: usize| {
+            let l = l.clone();
+            async move {
+                while crate::lock::lock(&l.state).waiting.len() != n {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }
+        };
+        let mut held = l.acquire(5).await;
+        let mut big = tokio::spawn({
+            let l = l.clone();
+            async move { l.acquire(1_000_000).await }
+        });
+        waiting(1).await;
+        // Smaller cleanups always have a step waiting: each permit handed over finds
+        // another small one queued beside the big step.
+        let mut small_grants = 0;
+        loop {
+            let mut next = tokio::spawn({
+                let l = l.clone();
+                async move { l.acquire(5).await }
+            });
+            waiting(2).await;
+            drop(held);
+            let got = tokio::time::timeout(Duration::from_secs(1), async {
+                tokio::select! {
+                    big = &mut big => (true, big.unwrap()),
+                    small = &mut next => (false, small.unwrap()),
+                }
+            })
+            .await
+            .expect("a waiting step got the permit");
+            match got {
+                (true, permit) => {
+                    drop(permit);
+                    drop(next.await.unwrap());
+                    break;
+                }
+                (false, permit) => {
+                    held = permit;
+                    small_grants += 1;
+                    assert!(
+                        small_grants < OLDEST_EVERY,
+                        "the big cleanup still waits after {small_grants} permits to smaller ones"
+                    );
+                }
+            }
+        }
+        assert_eq!(
+            small_grants,
+            OLDEST_EVERY - 1,
+            "smaller cleanups go first but for one permit in {OLDEST_EVERY}"
+        );
         assert_eq!(l.in_flight(), 0);
     }
 
