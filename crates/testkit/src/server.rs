@@ -194,7 +194,9 @@ impl RedisServer {
 
 /// Waits up to 10 s until the process in `child`, listening at `url`, answers PING (or
 /// NOAUTH: a server started with --requirepass is up). An error, with its log file, if
-/// it exits first (then `child` is None) or does not answer in time.
+/// it exits first (then `child` is None) or does not answer in time. A server that
+/// answers with another `process_id` (INFO server) is not ours: another process took the
+/// port between [`free_port`] and the start, and ours is about to exit for it.
 pub(crate) fn wait_answering(
     child: &mut Option<std::process::Child>,
     url: &str,
@@ -212,11 +214,27 @@ pub(crate) fn wait_answering(
                 log()
             )));
         }
-        let pong = client
-            .get_connection_with_timeout(Duration::from_millis(200))
-            .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c));
-        if pong.is_ok() || pong.as_ref().is_err_and(|e| e.code() == Some("NOAUTH")) {
+        let conn = client.get_connection_with_timeout(Duration::from_millis(200));
+        if conn.as_ref().is_err_and(|e| e.code() == Some("NOAUTH")) {
             return Ok(());
+        }
+        if let Ok(mut c) = conn {
+            match redis::cmd("PING").query::<String>(&mut c) {
+                Err(e) if e.code() == Some("NOAUTH") => return Ok(()),
+                Ok(_) => {
+                    let ours = child.as_ref().map(std::process::Child::id);
+                    let theirs = redis::cmd("INFO")
+                        .arg("server")
+                        .query::<String>(&mut c)
+                        .ok()
+                        .and_then(|info| info_field(&info, "process_id")?.parse::<u32>().ok());
+                    match (ours, theirs) {
+                        (Some(ours), Some(theirs)) if ours != theirs => {}
+                        _ => return Ok(()),
+                    }
+                }
+                Err(_) => {}
+            }
         }
         if Instant::now() > deadline {
             return Err(Error::LocalRedis(format!(
@@ -245,17 +263,43 @@ pub fn free_port() -> Result<u16> {
 }
 
 /// The `redis_version` field of an `INFO` reply, as (major, minor, patch).
+/// The value of `field` in an INFO reply.
+fn info_field<'a>(info: &'a str, field: &str) -> Option<&'a str> {
+    info.lines()
+        .find_map(|l| l.trim_end().strip_prefix(field)?.strip_prefix(':'))
+}
+
 fn parse_redis_version(info: &str) -> Option<(u32, u32, u32)> {
-    let value = info
-        .lines()
-        .find_map(|l| l.trim_end().strip_prefix("redis_version:"))?;
+    let value = info_field(info, "redis_version")?;
     let mut parts = value.splitn(3, '.').map(|p| p.parse::<u32>().ok());
     Some((parts.next()??, parts.next()??, parts.next()??))
 }
 
 #[cfg(test)]
 mod tests {
-    use super::parse_redis_version;
+    use super::*;
+
+    /// A port taken by another server between `free_port` and the start: the other
+    /// server answers PING, but the start fails (ours exits, the port in use) instead of
+    /// handing back a server that is not ours.
+    #[test]
+    fn a_server_answering_on_our_port_is_not_taken_for_ours() {
+        let theirs = RedisServer::start().unwrap();
+        let mut ours = RedisServer {
+            child: None,
+            port: theirs.port(),
+            dir: tempfile::tempdir().unwrap(),
+            args: Vec::new(),
+        };
+        let started = ours.spawn();
+        assert!(
+            started.is_err(),
+            "the start took the server already on port {} for ours",
+            theirs.port()
+        );
+        assert!(ours.child.is_none(), "ours is gone");
+        assert!(theirs.pid().is_some());
+    }
 
     #[test]
     fn the_redis_version_is_read_from_info() {
