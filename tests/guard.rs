@@ -27,9 +27,9 @@ use registry_janitor::{
 use tokio::task::JoinHandle;
 
 const USERS: usize = 20;
-/// Liveness TTL of the fleet's heartbeats (four periods, well inside the grace period of
+/// Liveness TTL of the fleet's heartbeats (over six periods, inside the grace period of
 /// `guard_settings`, as a deployment sets it), and their period.
-const TTL_MS: u64 = 600;
+const TTL_MS: u64 = 1_000;
 const BEAT: Duration = Duration::from_millis(150);
 
 /// A fleet of connection servers heartbeating through the protocol, each of which can be

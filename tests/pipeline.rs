@@ -221,7 +221,10 @@ async fn two_workers_share_one_stream() {
     for s in &dead {
         assert_eq!(f.still_pointing(s, 4_000).await, 0, "{s}");
     }
+    // Each worker counts its cleanups once it has the reply of the step that
+    // acknowledged: wait for both.
     one.settled().await;
+    two.settled().await;
     let cleaned =
         events_with(&one.metrics, outcome::CLEANED) + events_with(&two.metrics, outcome::CLEANED);
     assert_eq!(
