@@ -262,13 +262,13 @@ pub fn free_port() -> Result<u16> {
         .map_err(|e| Error::io("finding a free port", e))
 }
 
-/// The `redis_version` field of an `INFO` reply, as (major, minor, patch).
 /// The value of `field` in an INFO reply.
 fn info_field<'a>(info: &'a str, field: &str) -> Option<&'a str> {
     info.lines()
         .find_map(|l| l.trim_end().strip_prefix(field)?.strip_prefix(':'))
 }
 
+/// The `redis_version` field of an `INFO` reply, as (major, minor, patch).
 fn parse_redis_version(info: &str) -> Option<(u32, u32, u32)> {
     let value = info_field(info, "redis_version")?;
     let mut parts = value.splitn(3, '.').map(|p| p.parse::<u32>().ok());
