@@ -195,8 +195,10 @@ impl RedisServer {
 /// Waits up to 10 s until the process in `child`, listening at `url`, answers PING (or
 /// NOAUTH: a server started with --requirepass is up). An error, with its log file, if
 /// it exits first (then `child` is None) or does not answer in time. A server that
-/// answers with another `process_id` (INFO server) is not ours: another process took the
-/// port between [`free_port`] and the start, and ours is about to exit for it.
+/// answers with another `process_id` (INFO server) is not ours while ours may still exit
+/// for the port being taken (another process took it between [`free_port`] and the
+/// start); once ours has run for [`FOREIGN_GRACE`] beside it, the server is ours behind a
+/// wrapper (`JANITOR_TEST_REDIS_SERVER` a script that does not `exec`).
 pub(crate) fn wait_answering(
     child: &mut Option<std::process::Child>,
     url: &str,
@@ -206,6 +208,7 @@ pub(crate) fn wait_answering(
     let log = || std::fs::read_to_string(log_file).unwrap_or_default();
     let deadline = Instant::now() + Duration::from_secs(10);
     let client = redis::Client::open(url)?;
+    let started = Instant::now();
     loop {
         if let Some(status) = child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
             *child = None;
@@ -229,7 +232,8 @@ pub(crate) fn wait_answering(
                         .ok()
                         .and_then(|info| info_field(&info, "process_id")?.parse::<u32>().ok());
                     match (ours, theirs) {
-                        (Some(ours), Some(theirs)) if ours != theirs => {}
+                        (Some(ours), Some(theirs))
+                            if ours != theirs && started.elapsed() < FOREIGN_GRACE => {}
                         _ => return Ok(()),
                     }
                 }
@@ -251,6 +255,11 @@ impl Drop for RedisServer {
         self.kill();
     }
 }
+
+/// How long a child must keep running beside a server with another `process_id` on its
+/// port before that server counts as the child's (see [`wait_answering`]): a server that
+/// finds its port taken exits at once.
+const FOREIGN_GRACE: Duration = Duration::from_secs(2);
 
 /// A loopback port that was free a moment ago.
 pub fn free_port() -> Result<u16> {
